@@ -1,0 +1,1 @@
+"""The four actors: tokenizer, scheduler, model runner, detokenizer."""

@@ -1,0 +1,1 @@
+"""The contract between the actors: wire messages, codec, addresses, config, client library."""

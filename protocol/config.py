@@ -1,0 +1,120 @@
+"""The config schema: TOML decoded into frozen structs that reject unknown keys and bad values.
+
+`--set a.b=c` overrides are merged into the TOML dict before the one conversion, so every error
+names the key path ("Object contains unknown field `max_runing` - at `$.scheduler`").
+"""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import msgspec
+from msgspec import Meta
+
+Port = Annotated[int, Meta(ge=0, le=65535)]
+Positive = Annotated[int, Meta(ge=1)]
+Seconds = Annotated[float, Meta(gt=0)]
+
+
+class Section(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    pass
+
+
+class ModelConfig(Section):
+    # A built-in model the project builds on first use, used when `path` is empty.
+    builtin: Literal["qwen3-tiny", "qwen3-small", "qwen3_5-tiny"] = "qwen3-small"
+    # Any local mlx-lm model directory (config.json, *.safetensors, tokenizer files).
+    path: str = ""
+    # Where built-in models are cached; empty: $MAS_CACHE_DIR or ~/.cache/mlx-actor-serve/models.
+    cache_dir: str = ""
+    # Longest prompt + output; 0 takes max_position_embeddings from the model's config.
+    context_length: Annotated[int, Meta(ge=0)] = 0
+
+
+class ServerConfig(Section):
+    host: str = "127.0.0.1"
+    port: Port = 30000  # ZMQ client endpoint; 0 picks a free port (printed in the ready line)
+    # Folder for the ipc:// inboxes inside the graph; empty: a fresh short folder under /tmp.
+    ipc_dir: str = ""
+
+
+class SchedulerConfig(Section):
+    max_running_requests: Annotated[int, Meta(ge=1, le=4096)] = 16
+    # Prompt tokens prefilled per step at most (a prompt longer than this still runs alone).
+    max_prefill_tokens: Annotated[int, Meta(ge=1)] = 4096
+
+
+class LogConfig(Section):
+    level: Literal["debug", "info", "warning", "error"] = "info"
+    # auto: console when stderr is a terminal, JSON lines otherwise.
+    format: Literal["auto", "json", "console"] = "auto"
+    stderr: bool = True
+    file: str = ""  # also append JSON lines here when set
+
+
+class LaunchConfig(Section):
+    ready_timeout_s: Seconds = 300.0  # the first start builds the built-in model
+    drain_timeout_s: Seconds = 10.0
+    stop_timeout_s: Seconds = 5.0  # after drain: wait this long, then terminate, then kill
+
+
+class Config(Section):
+    model: ModelConfig = ModelConfig()
+    server: ServerConfig = ServerConfig()
+    scheduler: SchedulerConfig = SchedulerConfig()
+    log: LogConfig = LogConfig()
+    launch: LaunchConfig = LaunchConfig()
+
+
+class ConfigError(ValueError):
+    pass
+
+
+def _parse_value(text: str) -> Any:
+    """A --set value is read as a TOML value (numbers, booleans, quoted strings, arrays);
+    anything TOML cannot read is taken as a bare string."""
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def apply_override(raw: dict[str, Any], assignment: str) -> None:
+    key, sep, value = assignment.partition("=")
+    if not sep or not key.strip():
+        raise ConfigError(f"--set expects section.key=value, got {assignment!r}")
+    path = key.strip().split(".")
+    node = raw
+    for part in path[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"--set {key}: `{part}` is not a section")
+        node = child
+    node[path[-1]] = _parse_value(value.strip())
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Config:
+    raw: dict[str, Any] = {}
+    if path is not None:
+        try:
+            raw = tomllib.loads(Path(path).read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"config file not found: {path}") from None
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"{path}: {e}") from None
+    for assignment in overrides:
+        apply_override(raw, assignment)
+    return config_from_dict(raw)
+
+
+def config_from_dict(raw: dict[str, Any]) -> Config:
+    try:
+        return msgspec.convert(raw, Config)
+    except msgspec.ValidationError as e:
+        raise ConfigError(f"invalid config: {e}") from None
+
+
+def config_to_dict(cfg: Config) -> dict[str, Any]:
+    return msgspec.to_builtins(cfg)

@@ -1,0 +1,215 @@
+"""Every struct that crosses a socket, and one tagged union per inbox.
+
+Field order is the wire format (array_like): append new fields at the end, with defaults.
+Tags are small integers listed once, in TAGS below, so two messages can never share one.
+Hot per-step messages (ForwardBatch, StepResult, TokenBatch, TextBatch) are columnar: one list
+per field, token ids as int32 bytes.
+"""
+
+from __future__ import annotations
+
+from typing import Union
+
+import msgspec
+
+# One table for every tag on every socket: a message's tag never changes once shipped.
+TAGS = {
+    # client <-> tokenizer (ROUTER)
+    "GenerateRequest": 1,
+    "AbortRequest": 2,
+    "Delta": 3,
+    "Finished": 4,
+    "ErrorReply": 5,
+    # inside the graph
+    "TokenizedRequest": 10,
+    "Abort": 11,
+    "ForwardBatch": 12,
+    "StepResult": 13,
+    "TokenBatch": 14,
+    "TextBatch": 15,
+    "Shutdown": 16,
+    "Ready": 17,
+    "ActorFailed": 18,
+}
+
+
+class Wire(msgspec.Struct, frozen=True, array_like=True, gc=False, tag_field="t"):
+    """Base of every wire message. Subclasses set their tag from TAGS."""
+
+
+def _tag(cls_name: str) -> int:
+    return TAGS[cls_name]
+
+
+class Plain(msgspec.Struct, frozen=True, array_like=True, gc=False):
+    """A nested value inside a message: no tag of its own."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Client API (a DEALER client talks to the tokenizer's ROUTER socket)
+
+
+class ChatMessage(Plain):
+    role: str
+    content: str
+
+
+class GenerateRequest(Wire, tag=_tag("GenerateRequest")):
+    """A client asks for a completion. `req_id` is the client's own id for the request; replies
+    carry it back. Exactly one of prompt / input_ids / messages is given."""
+
+    req_id: str
+    prompt: str = ""
+    input_ids: list[int] = []
+    messages: list[ChatMessage] = []
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    stream: bool = False
+    stop_token_ids: list[int] = []
+    ignore_eos: bool = False
+
+
+class AbortRequest(Wire, tag=_tag("AbortRequest")):
+    req_id: str
+
+
+class Delta(Wire, tag=_tag("Delta")):
+    """A streamed piece of a reply: new text and the token ids that produced it."""
+
+    req_id: str
+    text: str
+    token_ids: list[int]
+
+
+class Finished(Wire, tag=_tag("Finished")):
+    """The one terminal reply of a request that ran: stop, length or abort."""
+
+    req_id: str
+    text: str  # the whole text when not streamed; the last piece when streamed
+    token_ids: list[int]  # every generated token id
+    finish_reason: str
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0
+    ttft_s: float = 0.0
+    total_s: float = 0.0
+
+
+class ErrorReply(Wire, tag=_tag("ErrorReply")):
+    """The one terminal reply of a request that failed; `code` follows HTTP (400, 503, 500)."""
+
+    req_id: str
+    message: str
+    code: int = 400
+
+
+ClientInbound = Union[GenerateRequest, AbortRequest]
+ClientOutbound = Union[Delta, Finished, ErrorReply]
+
+
+# ---------------------------------------------------------------------------------------------
+# Inside the graph
+
+
+class SamplingParams(Plain):
+    max_new_tokens: int
+    temperature: float = 0.0
+    stop_token_ids: list[int] = []
+    ignore_eos: bool = False
+
+
+class TokenizedRequest(Wire, tag=_tag("TokenizedRequest")):
+    rid: str
+    input_ids: bytes  # int32, native byte order
+    params: SamplingParams
+
+
+class Abort(Wire, tag=_tag("Abort")):
+    rid: str
+
+
+class Shutdown(Wire, tag=_tag("Shutdown")):
+    """The launcher tells an actor to stop. `drain`: finish open work up to the deadline first."""
+
+    reason: str
+    drain: bool = False
+
+
+class ForwardBatch(Wire, tag=_tag("ForwardBatch")):
+    """One step for the runner. Per row (columnar): the request-pool row, how many new input
+    tokens it brings, the position of the first one, whether its input is a future (the token
+    this row sampled last, held by the runner) and whether to sample a token after it."""
+
+    step: int
+    rows: list[int]
+    input_lens: list[int]
+    start_pos: list[int]
+    future: list[bool]
+    sample: list[bool]
+    input_ids: bytes  # int32: the non-future rows' inputs, concatenated in row order
+    # Sampling parameters travel once, when a row is admitted; later steps refer to the row.
+    admit_rows: list[int] = []
+    admit_params: list[SamplingParams] = []
+
+
+class StepResult(Wire, tag=_tag("StepResult")):
+    """What the runner sampled: one token per sampled row of the step, in the step's row order."""
+
+    step: int
+    rows: list[int]
+    tokens: list[int]
+    forward_s: float = 0.0  # wall time the runner spent on this step
+    error: str = ""  # non-empty: the step failed on the runner, nothing was sampled
+
+
+class Finish(Plain):
+    """How one request ended, riding along the last TokenBatch/TextBatch that mentions it."""
+
+    rid: str
+    reason: str  # stop | length | abort | error
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0
+    message: str = ""  # for reason == "error"
+
+
+class TokenBatch(Wire, tag=_tag("TokenBatch")):
+    """Scheduler -> detokenizer: new tokens per request (counts index into token_ids)."""
+
+    rids: list[str]
+    counts: list[int]
+    token_ids: bytes  # int32
+    finished: list[Finish] = []
+
+
+class TextBatch(Wire, tag=_tag("TextBatch")):
+    """Detokenizer -> tokenizer: safe text per request, the token ids behind it, and endings."""
+
+    rids: list[str]
+    texts: list[str]
+    counts: list[int]
+    token_ids: bytes  # int32
+    finished: list[Finish] = []
+
+
+class Ready(Wire, tag=_tag("Ready")):
+    """An actor tells the launcher it is serving. `info` carries facts the launcher prints."""
+
+    actor: str
+    pid: int
+    info: dict[str, str] = {}
+
+
+class ActorFailed(Wire, tag=_tag("ActorFailed")):
+    """An actor tells the launcher it is going down because of an error."""
+
+    actor: str
+    message: str
+
+
+# One union per inbox.
+TokenizerInbox = Union[TextBatch, Shutdown]
+SchedulerInbox = Union[TokenizedRequest, Abort, StepResult, Shutdown]
+RunnerInbox = Union[ForwardBatch, Shutdown]
+DetokenizerInbox = Union[TokenBatch, Shutdown]
+LauncherInbox = Union[Ready, ActorFailed]
