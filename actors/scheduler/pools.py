@@ -1,0 +1,39 @@
+"""Free lists the scheduler owns. The runner only ever sees the ids."""
+
+from __future__ import annotations
+
+
+class RowPool:
+    """Request-pool rows: one per live request, from admission until every step that
+    references it has returned. Row 0 is padding and never handed out."""
+
+    def __init__(self, size: int):
+        self.size = size
+        # Pop from the end: low rows first, so a quiet server reuses the same few rows.
+        self._free = list(range(size, 0, -1))
+        self._owned: set[int] = set()
+
+    def alloc(self) -> int | None:
+        if not self._free:
+            return None
+        row = self._free.pop()
+        self._owned.add(row)
+        return row
+
+    def free(self, row: int) -> None:
+        if row not in self._owned:
+            raise AssertionError(f"row {row} freed but not owned")
+        self._owned.remove(row)
+        self._free.append(row)
+
+    @property
+    def available(self) -> int:
+        return len(self._free)
+
+    @property
+    def owned(self) -> frozenset[int]:
+        return frozenset(self._owned)
+
+    def leaked(self) -> list[int]:
+        """Rows not on the free list: called when the scheduler believes it is idle."""
+        return sorted(self._owned)
