@@ -8,9 +8,10 @@ per field, token ids as int32 bytes.
 
 from __future__ import annotations
 
-from typing import Union
+from typing import Annotated, Union
 
 import msgspec
+from msgspec import Meta
 
 # One table for every tag on every socket: a message's tag never changes once shipped.
 TAGS = {
@@ -45,16 +46,22 @@ class Plain(msgspec.Struct, frozen=True, array_like=True, gc=False):
     """A nested value inside a message: no tag of its own."""
 
 
+class ClientWire(msgspec.Struct, frozen=True, gc=False, tag_field="type",
+                 forbid_unknown_fields=True):
+    """Base of the client API: encoded as maps, so a bad field is named in the error reply and
+    a client in any language can build requests by hand."""
+
+
 # ---------------------------------------------------------------------------------------------
 # Client API (a DEALER client talks to the tokenizer's ROUTER socket)
 
 
-class ChatMessage(Plain):
+class ChatMessage(msgspec.Struct, frozen=True, gc=False):
     role: str
     content: str
 
 
-class GenerateRequest(Wire, tag=_tag("GenerateRequest")):
+class GenerateRequest(ClientWire, tag=_tag("GenerateRequest")):
     """A client asks for a completion. `req_id` is the client's own id for the request; replies
     carry it back. Exactly one of prompt / input_ids / messages is given."""
 
@@ -62,18 +69,18 @@ class GenerateRequest(Wire, tag=_tag("GenerateRequest")):
     prompt: str = ""
     input_ids: list[int] = []
     messages: list[ChatMessage] = []
-    max_new_tokens: int = 128
-    temperature: float = 0.0
+    max_new_tokens: Annotated[int, Meta(ge=1)] = 128
+    temperature: Annotated[float, Meta(ge=0.0)] = 0.0
     stream: bool = False
     stop_token_ids: list[int] = []
     ignore_eos: bool = False
 
 
-class AbortRequest(Wire, tag=_tag("AbortRequest")):
+class AbortRequest(ClientWire, tag=_tag("AbortRequest")):
     req_id: str
 
 
-class Delta(Wire, tag=_tag("Delta")):
+class Delta(ClientWire, tag=_tag("Delta")):
     """A streamed piece of a reply: new text and the token ids that produced it."""
 
     req_id: str
@@ -81,7 +88,7 @@ class Delta(Wire, tag=_tag("Delta")):
     token_ids: list[int]
 
 
-class Finished(Wire, tag=_tag("Finished")):
+class Finished(ClientWire, tag=_tag("Finished")):
     """The one terminal reply of a request that ran: stop, length or abort."""
 
     req_id: str
@@ -95,7 +102,7 @@ class Finished(Wire, tag=_tag("Finished")):
     total_s: float = 0.0
 
 
-class ErrorReply(Wire, tag=_tag("ErrorReply")):
+class ErrorReply(ClientWire, tag=_tag("ErrorReply")):
     """The one terminal reply of a request that failed; `code` follows HTTP (400, 503, 500)."""
 
     req_id: str
@@ -171,6 +178,7 @@ class Finish(Plain):
     completion_tokens: int
     cached_tokens: int = 0
     message: str = ""  # for reason == "error"
+    code: int = 500  # for reason == "error": 400 the request was bad, 500 the server failed
 
 
 class TokenBatch(Wire, tag=_tag("TokenBatch")):

@@ -77,12 +77,12 @@ class Scheduler:
         req = Request(rid, prompt, params)
         self.requests[rid] = req
         self.queue.append(req)
-        return self._take()
+        return self.take()
 
     def abort(self, rid: str) -> Outputs:
         req = self.requests.get(rid)
         if req is None or req.state == DONE:
-            return self._take()  # unknown or already ending: its one reply is on its way
+            return self.take()  # unknown or already ending: its one reply is on its way
         if req.state == QUEUED:
             self.queue.remove(req)
             self._finish(req, "abort")
@@ -91,7 +91,7 @@ class Scheduler:
             # Running: a step in flight may touch its row, so only mark it; the next result
             # (or the next schedule, if nothing is in flight) finishes it.
             req.aborted = True
-        return self._take()
+        return self.take()
 
     # -- one step ----------------------------------------------------------------------------
 
@@ -164,7 +164,7 @@ class Scheduler:
                 if reason:
                     self._finish(req, reason)
             self._release_if_idle(req)
-        return self._take()
+        return self.take()
 
     # -- helpers -----------------------------------------------------------------------------
 
@@ -202,10 +202,10 @@ class Scheduler:
 
     def _reject(self, rid: str, prompt_len: int, message: str) -> Outputs:
         self._out.finished.append(m.Finish(rid=rid, reason="error", prompt_tokens=prompt_len,
-                                           completion_tokens=0, message=message))
-        return self._take()
+                                           completion_tokens=0, message=message, code=400))
+        return self.take()
 
-    def _take(self) -> Outputs:
+    def take(self) -> Outputs:
         out, self._out = self._out, Outputs()
         return out
 

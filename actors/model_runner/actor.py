@@ -1,0 +1,68 @@
+"""The model-runner actor. MLX arrays and streams belong to the thread that made them, so one
+thread (the MLX thread) loads the model and runs every step; the asyncio shell only moves
+messages between the inbox, that thread and the scheduler."""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+import traceback
+
+from actors.model_runner.loading import load_model
+from actors.model_runner.runner import ModelRunner
+from actors.shell import Shell, run_actor
+from protocol import messages as m
+
+_STOP = object()
+
+
+class MlxThread(threading.Thread):
+    def __init__(self, shell: Shell, loop: asyncio.AbstractEventLoop):
+        super().__init__(name="mlx", daemon=True)
+        self.shell, self.loop, self.log = shell, loop, shell.log
+        self.inbox: queue.Queue = queue.Queue()
+        self.loaded = loop.create_future()
+
+    def run(self) -> None:
+        try:
+            model = load_model(self.shell.model.path)
+            runner = ModelRunner(model, self.shell.cfg.scheduler.max_running_requests)
+        except Exception as e:
+            self.loop.call_soon_threadsafe(self.loaded.set_exception, e)
+            return
+        self.loop.call_soon_threadsafe(self.loaded.set_result, None)
+        while (batch := self.inbox.get()) is not _STOP:
+            try:
+                result = runner.step(batch)
+            except Exception as e:
+                # The runner's memory may be half-updated: drop every row's state and let the
+                # scheduler end the requests of this step with an error.
+                self.log.error("step.error", step=batch.step, error=repr(e),
+                               traceback=traceback.format_exc())
+                runner = ModelRunner(model, self.shell.cfg.scheduler.max_running_requests)
+                result = m.StepResult(step=batch.step, rows=[], tokens=[], error=repr(e))
+            self.loop.call_soon_threadsafe(self.shell.send_now, "scheduler", result)
+
+
+async def serve(shell: Shell) -> None:
+    inbox = shell.bind_inbox(m.RunnerInbox)
+    mlx = MlxThread(shell, asyncio.get_running_loop())
+    mlx.start()
+    await mlx.loaded
+    await shell.ready(model=shell.model.name)
+    try:
+        while True:
+            for msg in await inbox.recv_all():
+                match msg:
+                    case m.ForwardBatch():
+                        mlx.inbox.put(msg)
+                    case m.Shutdown():
+                        return
+    finally:
+        mlx.inbox.put(_STOP)
+        await asyncio.to_thread(mlx.join, 5.0)
+
+
+def main(cfg, addrs, model) -> None:
+    run_actor("runner", cfg, addrs, model, serve)

@@ -1,0 +1,186 @@
+"""Built-in models: real Qwen architectures with the real Qwen tokenizer and seeded random weights.
+
+Nothing can be downloaded, so the engine serves models it builds itself. A built-in is a local
+mlx-lm directory (config.json, model.safetensors in float32, tokenizer files) made once per spec.
+
+Plain random init makes greedy decoding repeat one token: with tied embeddings the residual stream is
+mostly the input token's own embedding, so the input token wins the argmax. The init below makes every
+block write much more than the embedding into the residual stream, so the next token is a pseudo-random
+function of the context, and scales the final norm so the logits spread by several units (top-2 gaps far
+above float noise). tests/unit/test_builtin_model.py measures both properties.
+"""
+
+import hashlib
+import importlib
+import json
+import os
+import shutil
+import sys
+import uuid
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+from mlx.utils import tree_flatten
+from tqdm import tqdm
+
+from actors.tokenizer.qwen_bpe import VOCABS, write_tokenizer
+
+# Bump when the build itself changes (init rules, file layout): every cached model then rebuilds.
+BUILD_VERSION = 1
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Everything that determines a built-in's files; its hash names the cache directory."""
+
+    vocab: str  # a key of qwen_bpe.VOCABS
+    config: dict = field(default_factory=dict)  # architecture fields of config.json
+    embed_std: float = 1.0
+    residual_gain: float = 4.0  # std of block outputs relative to 1/sqrt(fan_in) init
+    logit_gain: float = 1.0  # final RMSNorm weight; logit std ~ embed_std * logit_gain * sqrt(hidden)
+
+
+_QWEN3_5_ROPE = {"rope_type": "default", "rope_theta": 10_000_000.0, "partial_rotary_factor": 0.25}
+
+BUILTINS: dict[str, ModelSpec] = {
+    "qwen3-tiny": ModelSpec(
+        vocab="qwen3",
+        config=dict(
+            model_type="qwen3", hidden_size=64, intermediate_size=192, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=151936,
+            max_position_embeddings=4096, rope_theta=1_000_000.0, tie_word_embeddings=True,
+        ),
+    ),
+    "qwen3-small": ModelSpec(
+        vocab="qwen3",
+        config=dict(
+            model_type="qwen3", hidden_size=512, intermediate_size=1536, num_hidden_layers=8,
+            num_attention_heads=8, num_key_value_heads=4, head_dim=64, vocab_size=151936,
+            max_position_embeddings=8192, rope_theta=1_000_000.0, tie_word_embeddings=True,
+        ),
+    ),
+    # Layers 0-2 are gated-delta-net (linear attention), layer 3 full attention, as in real Qwen3.5.
+    "qwen3_5-tiny": ModelSpec(
+        vocab="qwen3_5",
+        config=dict(
+            model_type="qwen3_5", hidden_size=64, intermediate_size=192, num_hidden_layers=4,
+            full_attention_interval=4, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+            linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=32,
+            linear_value_head_dim=32, linear_conv_kernel_dim=4, vocab_size=248320,
+            max_position_embeddings=4096, rope_parameters=_QWEN3_5_ROPE, tie_word_embeddings=True,
+        ),
+    ),
+}  # fmt: skip
+
+
+def default_cache_dir() -> Path:
+    return Path(os.environ.get("MAS_CACHE_DIR") or Path.home() / ".cache" / "mlx-actor-serve" / "models")
+
+
+def spec_hash(spec: ModelSpec) -> str:
+    blob = json.dumps({"build": BUILD_VERSION, **asdict(spec)}, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:10]
+
+
+def ensure_builtin(name: str, cache_dir: Path | None = None, progress: bool = True) -> Path:
+    """The directory of built-in `name`, building it first if this spec was never built here."""
+    if name not in BUILTINS:
+        raise KeyError(f"unknown built-in model {name!r}; known: {sorted(BUILTINS)}")
+    spec = BUILTINS[name]
+    cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    final = cache_dir / f"{name}-{spec_hash(spec)}"
+    if final.is_dir():
+        return final
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    # Build beside the final path and rename: a directory under the final name is always complete,
+    # and of two concurrent builders the second rename fails and that builder uses the first's result.
+    scratch = cache_dir / f".{final.name}.building-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    try:
+        build_model_dir(name, spec, scratch, progress)
+        try:
+            scratch.rename(final)
+        except OSError:
+            if not final.is_dir():
+                raise
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return final
+
+
+def model_config(name: str, spec: ModelSpec) -> dict:
+    """config.json: the spec's architecture plus the fields loaders expect from a real checkpoint."""
+    specials = VOCABS[spec.vocab].special_ids()
+    arch = spec.config
+    config = {
+        "architectures": ["Qwen3ForCausalLM" if arch["model_type"] == "qwen3" else "Qwen3_5ForCausalLM"],
+        **arch,
+        "hidden_act": "silu",
+        "rms_norm_eps": 1e-6,
+        "attention_bias": False,
+        "bos_token_id": specials["<|endoftext|>"],
+        "eos_token_id": [specials["<|im_end|>"], specials["<|endoftext|>"]],
+        "pad_token_id": specials["<|endoftext|>"],
+        "torch_dtype": "float32",
+        "dtype": "float32",
+        "mlx_actor_serve": {"builtin": name, "spec_hash": spec_hash(spec)},
+    }
+    if arch["model_type"] == "qwen3_5":
+        # Informational, as in real Qwen3.5 configs; mlx-lm derives the pattern from the interval.
+        interval = arch["full_attention_interval"]
+        config["layer_types"] = [
+            "full_attention" if (i + 1) % interval == 0 else "linear_attention"
+            for i in range(arch["num_hidden_layers"])
+        ]
+    return config
+
+
+def weight_shapes(config: dict) -> dict[str, tuple[int, ...]]:
+    """Parameter names and shapes, taken from mlx-lm's own model class so loading matches exactly."""
+    arch = importlib.import_module(f"mlx_lm.models.{config['model_type']}")
+    model = arch.Model(arch.ModelArgs.from_dict(config))  # parameters stay lazy: nothing is computed
+    return {path: tuple(value.shape) for path, value in tree_flatten(model.parameters())}
+
+
+def count_params(name: str) -> int:
+    spec = BUILTINS[name]
+    return sum(int(np.prod(s)) for s in weight_shapes(model_config(name, spec)).values())
+
+
+def init_weight(path: str, shape: tuple[int, ...], spec: ModelSpec, seed: int) -> np.ndarray:
+    """One parameter's initial value; each has its own stream so the order of generation is irrelevant."""
+    rng = np.random.default_rng([seed, int.from_bytes(hashlib.sha256(path.encode()).digest()[:8], "little")])
+    leaf = path.rsplit(".", 2)[-2]  # e.g. "q_proj" of "...self_attn.q_proj.weight"
+    if path.endswith("model.norm.weight"):
+        return np.full(shape, spec.logit_gain, np.float32)
+    if path.endswith("norm.weight"):
+        return np.ones(shape, np.float32)
+    if leaf == "embed_tokens":
+        return spec.embed_std * rng.standard_normal(shape, np.float32)
+    if path.endswith("A_log"):  # gated-delta decay rates: log(U[1, 16]), the range real models use
+        return np.log(rng.uniform(1.0, 16.0, shape)).astype(np.float32)
+    if path.endswith("dt_bias"):
+        return np.ones(shape, np.float32)
+    fan_in = shape[1] if len(shape) == 2 else int(np.prod(shape[1:]))
+    gain = spec.residual_gain if leaf in ("o_proj", "down_proj", "out_proj") else 1.0
+    return (gain / np.sqrt(fan_in)) * rng.standard_normal(shape, np.float32)
+
+
+def build_model_dir(name: str, spec: ModelSpec, directory: Path, progress: bool = True) -> None:
+    """Write config.json, model.safetensors and the tokenizer files of `spec` into `directory`."""
+    directory.mkdir(parents=True)
+    config = model_config(name, spec)
+    shapes = weight_shapes(config)
+    seed = int.from_bytes(hashlib.sha256(name.encode()).digest()[:4], "little")
+    total = sum(int(np.prod(s)) for s in shapes.values()) * 4
+    weights = {}
+    with tqdm(total=total, unit="B", unit_scale=True, desc=f"building {name}", file=sys.stderr,
+              disable=not progress) as bar:  # fmt: skip
+        for path in sorted(shapes):
+            weights[path] = mx.array(init_weight(path, shapes[path], spec, seed))
+            bar.update(weights[path].nbytes)
+        bar.set_postfix_str("tokenizer")
+        write_tokenizer(directory, spec.vocab)
+    mx.save_safetensors(str(directory / "model.safetensors"), weights, metadata={"format": "mlx"})
+    (directory / "config.json").write_text(json.dumps(config, indent=2))

@@ -1,0 +1,55 @@
+"""Reading a local mlx-lm model directory: the model itself (runner) and the facts every actor
+needs about it (launcher)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from actors.shell import ModelInfo
+
+
+def load_model(path: str) -> nn.Module:
+    from mlx_lm.utils import load_model as mlx_lm_load_model
+
+    model, _ = mlx_lm_load_model(Path(path))
+    mx.eval(model.parameters())
+    return model
+
+
+def _ids(value) -> list[int]:
+    if value is None:
+        return []
+    return [value] if isinstance(value, int) else [int(v) for v in value]
+
+
+def read_model_info(path: str, name: str = "", context_length: int = 0) -> ModelInfo:
+    """Context length, EOS ids and vocab size from config.json, generation_config.json and the
+    tokenizer's eos token, so every actor agrees on them without loading the model."""
+    folder = Path(path)
+    if not (folder / "config.json").is_file():
+        raise FileNotFoundError(f"{folder} is not an mlx-lm model directory (no config.json)")
+    config = json.loads((folder / "config.json").read_text())
+    text = config.get("text_config", {})  # multimodal configs nest the language model's keys
+    eos = _ids(config.get("eos_token_id", text.get("eos_token_id")))
+    gen = folder / "generation_config.json"
+    if gen.is_file():
+        eos += _ids(json.loads(gen.read_text()).get("eos_token_id"))
+    tok_cfg = folder / "tokenizer_config.json"
+    tok_json = folder / "tokenizer.json"
+    if tok_cfg.is_file() and tok_json.is_file():
+        eos_token = json.loads(tok_cfg.read_text()).get("eos_token")
+        if isinstance(eos_token, dict):
+            eos_token = eos_token.get("content")
+        for added in json.loads(tok_json.read_text()).get("added_tokens", []):
+            if added.get("content") == eos_token:
+                eos.append(int(added["id"]))
+    max_pos = config.get("max_position_embeddings", text.get("max_position_embeddings", 4096))
+    vocab = config.get("vocab_size", text.get("vocab_size", 0))
+    return ModelInfo(path=str(folder), name=name or folder.name,
+                     context_length=context_length or int(max_pos),
+                     eos_ids=sorted(set(eos)), vocab_size=int(vocab),
+                     model_type=config.get("model_type", ""))

@@ -1,0 +1,144 @@
+"""What every actor process shares: logging first, signals, the parent watch, its one inbox,
+PUSH sockets to its peers, the Ready handshake and a loud death.
+
+Children ignore SIGINT (the launcher owns the terminal); SIGTERM becomes a Shutdown message in
+the actor's own inbox, so every stop goes through the same code path. A child whose launcher
+died exits on its own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing
+import os
+import signal
+import sys
+from pathlib import Path
+from typing import Any, Awaitable, Callable
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from actors.logs import configure_logging, get_logger
+from protocol import messages as m
+from protocol.codec import decoder, encode
+from protocol.config import Config
+from protocol.transport import Addresses, pull_socket, push_socket
+
+
+class ModelInfo(msgspec.Struct, frozen=True):
+    """Facts about the served model that the launcher reads once and hands to every actor."""
+
+    path: str
+    name: str
+    context_length: int
+    eos_ids: list[int]
+    vocab_size: int
+    model_type: str
+
+
+class Shell:
+    def __init__(self, name: str, cfg: Config, addrs: Addresses, model: ModelInfo):
+        self.name, self.cfg, self.addrs, self.model = name, cfg, addrs, model
+        self.log = get_logger()
+        self.zctx = zmq.asyncio.Context()
+        self._pushes: dict[str, zmq.asyncio.Socket] = {}
+        self.on_parent_gone: Callable[[], None] = lambda: None
+
+    def bind_inbox(self, union: Any) -> "Inbox":
+        return Inbox(pull_socket(self.zctx, self.addrs.inbox(self.name)), decoder(union))
+
+    def _push(self, peer: str) -> zmq.asyncio.Socket:
+        sock = self._pushes.get(peer)
+        if sock is None:
+            sock = self._pushes[peer] = push_socket(self.zctx, self.addrs.inbox(peer))
+        return sock
+
+    async def send(self, peer: str, msg: msgspec.Struct) -> None:
+        await self._push(peer).send(encode(msg))
+
+    def send_now(self, peer: str, msg: msgspec.Struct) -> None:
+        """Send from synchronous code (PUSH with no high-water mark never blocks)."""
+        self._push(peer).send(encode(msg))
+
+    async def ready(self, **info: str) -> None:
+        await self.send("launcher", m.Ready(actor=self.name, pid=os.getpid(), info=info))
+        self.log.info("actor.ready", **info)
+
+    def close(self) -> None:
+        for sock in self._pushes.values():
+            sock.close(linger=0)
+        self.zctx.destroy(linger=0)
+        _unlink_inbox(self.addrs, self.name)
+
+
+class Inbox:
+    """The actor's one PULL socket with its typed decoder."""
+
+    def __init__(self, sock: zmq.asyncio.Socket, dec: msgspec.msgpack.Decoder):
+        self.sock, self.dec = sock, dec
+
+    async def recv_all(self, timeout: float | None = None) -> list[Any]:
+        """Wait for one message, then take everything already queued, so the actor acts once
+        per burst. An empty list means the timeout passed."""
+        if timeout is not None and not await self.sock.poll(timeout * 1000):
+            return []
+        msgs = [self.dec.decode(await self.sock.recv())]
+        while True:
+            try:
+                msgs.append(self.dec.decode(await self.sock.recv(zmq.NOBLOCK)))
+            except zmq.Again:
+                return msgs
+
+
+def _unlink_inbox(addrs: Addresses, name: str) -> None:
+    path = Path(addrs.inbox(name)[len("ipc://"):])
+    path.unlink(missing_ok=True)
+    try:
+        path.parent.rmdir()  # the last actor out removes the folder if the launcher could not
+    except OSError:
+        pass
+
+
+def run_actor(name: str, cfg: Config, addrs: Addresses, model: ModelInfo,
+              body: Callable[[Shell], Awaitable[None]]) -> None:
+    """Entry point of every actor process."""
+    configure_logging(cfg.log, name)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    code = asyncio.run(_main(name, cfg, addrs, model, body))
+    sys.exit(code)
+
+
+async def _main(name: str, cfg: Config, addrs: Addresses, model: ModelInfo,
+                body: Callable[[Shell], Awaitable[None]]) -> int:
+    shell = Shell(name, cfg, addrs, model)
+    loop = asyncio.get_running_loop()
+    loop.add_signal_handler(
+        signal.SIGTERM, lambda: shell.send_now(name, m.Shutdown(reason="sigterm", drain=True)))
+    parent = multiprocessing.parent_process()
+    if parent is not None:
+        loop.add_reader(parent.sentinel, _parent_gone, shell)
+    try:
+        await body(shell)
+        shell.log.info("actor.stopped")
+        return 0
+    except Exception as e:  # the actor dies loudly, and tells the launcher why
+        shell.log.exception("actor.crashed", error=repr(e))
+        try:
+            await asyncio.wait_for(
+                shell.send("launcher", m.ActorFailed(actor=name, message=repr(e))), 1.0)
+        except Exception:
+            pass
+        return 1
+    finally:
+        shell.close()
+
+
+def _parent_gone(shell: Shell) -> None:
+    shell.log.error("actor.parent_gone")
+    try:
+        shell.on_parent_gone()
+    finally:
+        _unlink_inbox(shell.addrs, shell.name)
+        os._exit(1)

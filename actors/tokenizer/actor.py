@@ -1,0 +1,90 @@
+"""The tokenizer actor: the client ROUTER socket and the graph's front door. Thin shell around
+Frontend: client frames in, TokenizedRequests to the scheduler; TextBatches in, replies out."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import zmq
+
+from actors.shell import Shell, run_actor
+from actors.tokenizer.frontend import Frontend, Reply
+from actors.tokenizer.loading import load_tokenizer
+from protocol import messages as m
+from protocol.codec import encode
+from protocol.transport import bind_tcp
+
+
+class TokenizerActor:
+    def __init__(self, shell: Shell):
+        self.shell, self.log = shell, shell.log
+        self.front = Frontend(load_tokenizer(shell.model.path), shell.model, shell.log)
+        self.inbox = shell.bind_inbox(m.TokenizerInbox)
+        self.router = shell.zctx.socket(zmq.ROUTER)
+        self.router.setsockopt(zmq.LINGER, 0)
+        # A reply to a client that went away is dropped, never an error that stops the actor.
+        self.router.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        self.client_address = bind_tcp(self.router, shell.addrs.client)
+        shell.on_parent_gone = lambda: self._send_now(self.front.fail_all("server launcher died"))
+
+    async def serve(self) -> None:
+        await self.shell.ready(client=self.client_address)
+        try:
+            # A failure in either loop takes the actor down loudly (TaskGroup re-raises).
+            async with asyncio.TaskGroup() as tasks:
+                clients = tasks.create_task(self._clients())
+                await self._inbox()
+                clients.cancel()
+        finally:
+            self.router.close(linger=0)
+
+    async def _clients(self) -> None:
+        while True:
+            frames = await self.router.recv_multipart()
+            replies, forward = self.front.on_client(frames, time.monotonic())
+            for msg in forward:
+                await self.shell.send("scheduler", msg)
+            for identity, reply in replies:
+                self.log.info("request.rejected", req_id=reply.req_id, error=reply.message)
+            await self._reply(replies)
+
+    async def _inbox(self) -> None:
+        while True:
+            for msg in await self.inbox.recv_all():
+                match msg:
+                    case m.TextBatch():
+                        await self._reply(self.front.on_text(msg, time.monotonic()))
+                    case m.Shutdown():
+                        await self._shutdown(msg)
+                        return
+
+    async def _shutdown(self, msg: m.Shutdown) -> None:
+        """Drain: refuse new requests, let open ones finish until the deadline; then every
+        request still open gets an error reply naming the reason."""
+        self.front.accepting = False
+        self.front.refusal = f"server is shutting down: {msg.reason}"
+        if msg.drain:
+            deadline = time.monotonic() + self.shell.cfg.launch.drain_timeout_s
+            while self.front.open and time.monotonic() < deadline:
+                for inner in await self.inbox.recv_all(timeout=0.05):
+                    if isinstance(inner, m.TextBatch):
+                        await self._reply(self.front.on_text(inner, time.monotonic()))
+        self.log.info("tokenizer.shutdown", reason=msg.reason, open=len(self.front.open))
+        await self._reply(self.front.fail_all(f"server is shutting down: {msg.reason}"))
+
+    async def _reply(self, replies: list[Reply]) -> None:
+        for identity, reply in replies:
+            await self.router.send_multipart([identity, encode(reply)])
+
+    def _send_now(self, replies: list[Reply]) -> None:
+        for identity, reply in replies:
+            self.router.send_multipart([identity, encode(reply)], zmq.NOBLOCK)
+
+
+async def serve(shell: Shell) -> None:
+    await TokenizerActor(shell).serve()
+
+
+def main(cfg, addrs, model) -> None:
+    run_actor("tokenizer", cfg, addrs, model, serve)

@@ -1,0 +1,181 @@
+"""The tokenizer actor's pure core: validate and tokenize client requests, assign rids, and turn
+TextBatches into replies for the client that asked. No sockets; time is passed in.
+
+Every request that gets an rid gets exactly one terminal reply (Finished or ErrorReply); every
+request refused before that gets one ErrorReply at once.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+import structlog
+
+from actors.shell import ModelInfo
+from protocol import messages as m
+from protocol.codec import pack_ids, split_counts, unpack_ids
+
+Reply = tuple[bytes, m.ClientWire]  # (client identity, message)
+
+_decoder = msgspec.msgpack.Decoder(m.ClientInbound)
+
+
+@dataclass
+class Open:
+    rid: str
+    identity: bytes
+    req_id: str
+    stream: bool
+    prompt_tokens: int
+    received: float
+    first_token: float = 0.0
+    texts: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+
+
+class Frontend:
+    def __init__(self, tokenizer: Any, model: ModelInfo, log: Any = None):
+        self.tokenizer, self.model = tokenizer, model
+        self.log = log or structlog.get_logger()
+        self.open: dict[str, Open] = {}  # rid -> request
+        self.by_client: dict[tuple[bytes, str], str] = {}  # (identity, req_id) -> rid
+        self.accepting = True
+        self.refusal = "server is shutting down"
+        self._ids = itertools.count(1)
+        self._prefix = f"{os.getpid():x}"
+
+    # -- from clients ------------------------------------------------------------------------
+
+    def on_client(self, frames: list[bytes], now: float) -> tuple[list[Reply], list[Any]]:
+        """One ROUTER message -> (replies to clients, messages for the scheduler)."""
+        identity, payload = frames[0], frames[1:]
+        if len(payload) != 1:
+            return [(identity, m.ErrorReply(req_id="", message=(
+                f"malformed message: expected 1 payload frame, got {len(payload)}")))], []
+        try:
+            msg = _decoder.decode(payload[0])
+        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+            return [(identity, m.ErrorReply(req_id=_guess_req_id(payload[0]),
+                                            message=f"invalid request: {e}"))], []
+        match msg:
+            case m.AbortRequest():
+                rid = self.by_client.get((identity, msg.req_id))
+                return [], ([m.Abort(rid=rid)] if rid else [])
+            case m.GenerateRequest():
+                return self._generate(identity, msg, now)
+
+    def _generate(self, identity: bytes, req: m.GenerateRequest,
+                  now: float) -> tuple[list[Reply], list[Any]]:
+        def refuse(message: str, code: int = 400):
+            return [(identity, m.ErrorReply(req_id=req.req_id, message=message, code=code))], []
+
+        if not self.accepting:
+            return refuse(self.refusal, 503)
+        if not req.req_id:
+            return refuse("req_id must be a non-empty string")
+        if (identity, req.req_id) in self.by_client:
+            return refuse(f"req_id {req.req_id!r} is already open on this connection")
+        try:
+            ids = self._tokenize(req)
+        except ValueError as e:
+            return refuse(str(e))
+        vocab = self.model.vocab_size
+        bad = [t for t in (*req.input_ids, *req.stop_token_ids) if not 0 <= t < vocab]
+        if bad:
+            return refuse(f"token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        if len(ids) >= self.model.context_length:
+            return refuse(f"prompt has {len(ids)} tokens; the model's context is "
+                          f"{self.model.context_length} tokens, output included")
+        rid = f"{self._prefix}-{next(self._ids)}"
+        self.open[rid] = Open(rid, identity, req.req_id, req.stream, len(ids), now)
+        self.log.info("request.received", rid=rid, req_id=req.req_id, prompt_tokens=len(ids),
+                      max_new_tokens=req.max_new_tokens, stream=req.stream)
+        self.by_client[(identity, req.req_id)] = rid
+        params = m.SamplingParams(max_new_tokens=req.max_new_tokens, temperature=req.temperature,
+                                  stop_token_ids=list(req.stop_token_ids),
+                                  ignore_eos=req.ignore_eos)
+        return [], [m.TokenizedRequest(rid=rid, input_ids=pack_ids(ids), params=params)]
+
+    def _tokenize(self, req: m.GenerateRequest) -> list[int]:
+        given = sum(map(bool, (req.prompt, req.input_ids, req.messages)))
+        if given == 0:
+            raise ValueError("empty prompt: give one of prompt, input_ids or messages")
+        if given > 1:
+            raise ValueError("give only one of prompt, input_ids or messages")
+        if req.input_ids:
+            return list(req.input_ids)
+        if req.messages:
+            msgs = [{"role": c.role, "content": c.content} for c in req.messages]
+            ids = self.tokenizer.apply_chat_template(msgs)
+        else:
+            ids = self.tokenizer.encode(req.prompt)
+        if not ids:
+            raise ValueError("empty prompt: it tokenizes to no tokens")
+        return ids
+
+    # -- from the detokenizer ----------------------------------------------------------------
+
+    def on_text(self, batch: m.TextBatch, now: float) -> list[Reply]:
+        replies: list[Reply] = []
+        pieces = split_counts(unpack_ids(batch.token_ids), batch.counts)
+        for rid, text, ids in zip(batch.rids, batch.texts, pieces):
+            req = self.open.get(rid)
+            if req is None:
+                continue
+            if ids and not req.first_token:
+                req.first_token = now
+                self.log.info("request.first_token", rid=rid,
+                              ttft_s=round(now - req.received, 6))
+            req.token_ids.extend(ids)
+            if req.stream:
+                if text or ids:
+                    replies.append((req.identity, m.Delta(req_id=req.req_id, text=text,
+                                                          token_ids=ids)))
+            else:
+                req.texts.append(text)
+        for fin in batch.finished:
+            req = self.open.pop(fin.rid, None)
+            if req is None:
+                continue
+            self.by_client.pop((req.identity, req.req_id), None)
+            replies.append((req.identity, self._final(req, fin, now)))
+            self.log.info("request.finished", rid=fin.rid, reason=fin.reason,
+                          prompt_tokens=req.prompt_tokens, completion_tokens=len(req.token_ids),
+                          cached_tokens=fin.cached_tokens, error=fin.message or None,
+                          ttft_s=round(req.first_token - req.received, 6) if req.first_token
+                          else None, total_s=round(now - req.received, 6))
+        return replies
+
+    def _final(self, req: Open, fin: m.Finish, now: float) -> m.ClientWire:
+        if fin.reason == "error":
+            return m.ErrorReply(req_id=req.req_id, message=fin.message, code=fin.code)
+        return m.Finished(
+            req_id=req.req_id, text="" if req.stream else "".join(req.texts),
+            token_ids=req.token_ids, finish_reason=fin.reason,
+            prompt_tokens=fin.prompt_tokens or req.prompt_tokens,
+            completion_tokens=len(req.token_ids), cached_tokens=fin.cached_tokens,
+            ttft_s=(req.first_token - req.received) if req.first_token else 0.0,
+            total_s=now - req.received)
+
+    def fail_all(self, message: str, code: int = 503) -> list[Reply]:
+        """End every open request with an error (shutdown, a dead actor)."""
+        replies = [(r.identity, m.ErrorReply(req_id=r.req_id, message=message, code=code))
+                   for r in self.open.values()]
+        self.open.clear()
+        self.by_client.clear()
+        return replies
+
+
+def _guess_req_id(payload: bytes) -> str:
+    """Best effort: the req_id of a request that failed validation, so the client can match
+    the error to its request."""
+    try:
+        raw = msgspec.msgpack.decode(payload)
+    except Exception:
+        return ""
+    rid = raw.get("req_id") if isinstance(raw, dict) else None
+    return rid if isinstance(rid, str) else ""

@@ -1,0 +1,40 @@
+"""Loading the model directory's tokenizer: the HF tokenizer for chat templates, its fast
+(Rust) backend for encode/decode on the hot path."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+
+class TextTokenizer:
+    def __init__(self, path: str):
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a local directory never needs the hub
+        os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+        from transformers import AutoTokenizer
+
+        self.hf = AutoTokenizer.from_pretrained(path)
+        self._fast = getattr(self.hf, "backend_tokenizer", None)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if self._fast is not None:
+            return self._fast.encode(text, add_special_tokens=add_special_tokens).ids
+        return self.hf.encode(text, add_special_tokens=add_special_tokens)
+
+    def decode(self, ids: list[int]) -> str:
+        if self._fast is not None:
+            return self._fast.decode(ids, skip_special_tokens=False)
+        return self.hf.decode(ids)
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], **kwargs: Any) -> list[int]:
+        """Render a conversation and tokenize it, ending with the assistant's turn opened."""
+        if not getattr(self.hf, "chat_template", None):
+            raise ValueError("this model's tokenizer has no chat template")
+        text = self.hf.apply_chat_template(messages, tokenize=False,
+                                           add_generation_prompt=True, **kwargs)
+        # The template already holds any BOS the model wants.
+        return self.encode(text, add_special_tokens=False)
+
+
+def load_tokenizer(path: str) -> TextTokenizer:
+    return TextTokenizer(path)

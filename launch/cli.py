@@ -1,0 +1,72 @@
+"""`launch --config FILE [--set section.key=value ...]`: resolve the model, start the graph,
+print one `ready` line with the client address, and supervise until stopped."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from pathlib import Path
+
+from actors.logs import configure_logging, get_logger
+from actors.shell import ModelInfo
+from protocol.config import Config, ConfigError, load_config
+from protocol.transport import derive_addresses
+
+
+def resolve_model(cfg: Config, progress: bool = True) -> ModelInfo:
+    """The model directory every actor loads: `model.path`, or the built-in model, built and
+    cached on first use."""
+    from actors.model_runner.loading import read_model_info
+
+    if cfg.model.path:
+        path = Path(cfg.model.path).expanduser()
+        if not path.is_dir():
+            raise ConfigError(f"model.path {str(path)!r} is not a directory")
+        name = path.name
+    else:
+        from actors.model_runner.builtin import ensure_builtin
+
+        cache = Path(cfg.model.cache_dir).expanduser() if cfg.model.cache_dir else None
+        path = ensure_builtin(cfg.model.builtin, cache_dir=cache, progress=progress)
+        name = cfg.model.builtin
+    return read_model_info(str(path), name=name, context_length=cfg.model.context_length)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="launch", description="Start the mlx-actor-serve graph.")
+    p.add_argument("--config", help="TOML config file (configs/qwen.toml)")
+    p.add_argument("--set", dest="overrides", action="append", default=[],
+                   metavar="SECTION.KEY=VALUE", help="override one config key (repeatable)")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except ConfigError as e:
+        print(f"launch: {e}", file=sys.stderr)
+        return 2
+    configure_logging(cfg.log, "launcher")
+    log = get_logger()
+    try:
+        model = resolve_model(cfg)
+    except (ConfigError, OSError, ValueError) as e:
+        print(f"launch: {e}", file=sys.stderr)
+        return 2
+    addrs = derive_addresses(cfg)
+    log.info("launch.start", model=model.name, path=model.path, ipc_dir=addrs.ipc_dir)
+
+    def on_ready(info: dict[str, str]) -> None:
+        client = info.get("client", addrs.client)
+        log.info("launch.ready", client=client)
+        print(f"mlx-actor-serve ready: model {model.name} client {client}", flush=True)
+
+    from launch.supervisor import Supervisor
+
+    return asyncio.run(Supervisor(cfg, addrs, model, on_ready).run())
+
+
+if __name__ == "__main__":
+    sys.exit(main())

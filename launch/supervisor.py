@@ -1,0 +1,174 @@
+"""The supervisor: spawn the four actors, wait for each one's Ready, watch them, and shut the
+graph down in order when asked (SIGINT/SIGTERM) or when any actor dies.
+
+Shutdown order: the tokenizer first (it refuses new requests, drains open ones up to the
+deadline, then answers the rest with an error), then scheduler, runner, detokenizer. Each stage:
+a Shutdown message, a grace period, SIGTERM, SIGKILL. No orphans, no leftover ipc files.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing as mp
+import shutil
+import signal
+import sys
+import time
+from typing import Callable
+
+import zmq
+import zmq.asyncio
+
+from actors.logs import get_logger
+from actors.shell import ModelInfo
+from protocol import messages as m
+from protocol.codec import decoder, encode
+from protocol.config import Config
+from protocol.transport import Addresses, pull_socket, push_socket
+
+def _entries() -> dict[str, Callable]:
+    from actors.detokenizer.actor import main as detokenizer
+    from actors.model_runner.actor import main as runner
+    from actors.scheduler.actor import main as scheduler
+    from actors.tokenizer.actor import main as tokenizer
+
+    return {"detokenizer": detokenizer, "runner": runner, "scheduler": scheduler,
+            "tokenizer": tokenizer}
+
+
+STOP_ORDER = ("tokenizer", "scheduler", "runner", "detokenizer")
+
+
+class StartupError(RuntimeError):
+    pass
+
+
+class Supervisor:
+    def __init__(self, cfg: Config, addrs: Addresses, model: ModelInfo,
+                 on_ready: Callable[[dict[str, str]], None]):
+        self.cfg, self.addrs, self.model, self.on_ready = cfg, addrs, model, on_ready
+        self.log = get_logger()
+        self.procs: dict[str, mp.Process] = {}
+        self.zctx = zmq.asyncio.Context()
+        self.exit_code = 0
+
+    async def run(self) -> int:
+        inbox = pull_socket(self.zctx, self.addrs.launcher)
+        try:
+            self._spawn()
+            info = await self._wait_ready(inbox)
+            self.on_ready(info)
+            reason, drain = await self._watch(inbox)
+            await self._shutdown(reason, drain)
+        except StartupError as e:
+            self.log.error("launch.failed", error=str(e))
+            print(f"launch failed: {e}", file=sys.stderr, flush=True)
+            self.exit_code = 1
+            await self._shutdown(str(e), drain=False)
+        finally:
+            inbox.close(linger=0)
+            self.zctx.destroy(linger=0)
+            shutil.rmtree(self.addrs.ipc_dir, ignore_errors=True)
+        return self.exit_code
+
+    def _spawn(self) -> None:
+        ctx = mp.get_context("spawn")
+        for name, entry in _entries().items():
+            proc = ctx.Process(target=entry, args=(self.cfg, self.addrs, self.model),
+                               name=f"mas-{name}", daemon=False)
+            proc.start()
+            self.procs[name] = proc
+            self.log.info("actor.spawned", name=name, child_pid=proc.pid)
+
+    async def _wait_ready(self, inbox: zmq.asyncio.Socket) -> dict[str, str]:
+        dec = decoder(m.LauncherInbox)
+        pending, info = set(self.procs), {}
+        deadline = time.monotonic() + self.cfg.launch.ready_timeout_s
+        while pending:
+            for name in pending:
+                code = self.procs[name].exitcode
+                if code is not None:
+                    raise StartupError(f"actor {name} exited with code {code} before ready")
+            left = deadline - time.monotonic()
+            if left <= 0:
+                names = ", ".join(sorted(pending))
+                raise StartupError(f"actor {names} not ready after "
+                                   f"{self.cfg.launch.ready_timeout_s:g} s")
+            if await inbox.poll(min(left, 0.2) * 1000):
+                msg = dec.decode(await inbox.recv())
+                match msg:
+                    case m.Ready():
+                        pending.discard(msg.actor)
+                        info.update(msg.info)
+                    case m.ActorFailed():
+                        raise StartupError(f"actor {msg.actor} failed: {msg.message}")
+        return info
+
+    async def _watch(self, inbox: zmq.asyncio.Socket) -> tuple[str, bool]:
+        """Wait for the first reason to stop: a signal (drain) or a dead actor (no drain)."""
+        loop = asyncio.get_running_loop()
+        stop: asyncio.Future[tuple[str, bool]] = loop.create_future()
+
+        def once(reason: str, drain: bool) -> None:
+            if not stop.done():
+                stop.set_result((reason, drain))
+
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, once, signal.Signals(sig).name, True)
+        for name, proc in self.procs.items():
+            loop.add_reader(proc.sentinel, lambda n=name: self._died(n, once))
+        dec = decoder(m.LauncherInbox)
+
+        async def failures() -> None:
+            while True:
+                msg = dec.decode(await inbox.recv())
+                if isinstance(msg, m.ActorFailed):
+                    self.log.error("actor.failed", name=msg.actor, error=msg.message)
+
+        watcher = asyncio.ensure_future(failures())
+        try:
+            return await stop
+        finally:
+            watcher.cancel()
+            for proc in self.procs.values():
+                loop.remove_reader(proc.sentinel)
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.remove_signal_handler(sig)
+
+    def _died(self, name: str, once: Callable[[str, bool], None]) -> None:
+        proc = self.procs[name]
+        proc.join(0)
+        self.exit_code = 1
+        self.log.error("actor.died", name=name, exit_code=proc.exitcode)
+        once(f"actor {name} died (exit code {proc.exitcode})", False)
+
+    async def _shutdown(self, reason: str, drain: bool) -> None:
+        self.log.info("launch.shutdown", reason=reason, drain=drain)
+        for name in STOP_ORDER:
+            proc = self.procs.get(name)
+            if proc is None or not proc.is_alive():
+                continue
+            sock = push_socket(self.zctx, self.addrs.inbox(name))
+            sock.send(encode(m.Shutdown(reason=reason, drain=drain)))
+            grace = self.cfg.launch.stop_timeout_s
+            if name == "tokenizer" and drain:
+                grace += self.cfg.launch.drain_timeout_s
+            await _join(proc, grace)
+            sock.close(linger=0)
+            if proc.is_alive():
+                self.log.warning("actor.terminate", name=name)
+                proc.terminate()
+                await _join(proc, 2.0)
+            if proc.is_alive():
+                self.log.warning("actor.kill", name=name)
+                proc.kill()
+                await _join(proc, 2.0)
+        for name, proc in self.procs.items():
+            self.log.info("actor.exited", name=name, exit_code=proc.exitcode)
+
+
+async def _join(proc: mp.Process, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while proc.is_alive() and time.monotonic() < deadline:
+        await asyncio.sleep(0.02)
+    proc.join(0)
