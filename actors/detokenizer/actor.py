@@ -25,7 +25,8 @@ def convert(core: Detokenizer, batch: m.TokenBatch) -> m.TextBatch:
 
 async def serve(shell: Shell) -> None:
     tokenizer = load_tokenizer(shell.model.path)
-    core = Detokenizer(tokenizer.decode)
+    # EOS ends a request; it is never part of the text (as in mlx_lm.generate and OpenAI).
+    core = Detokenizer(tokenizer.decode, skip_ids=shell.model.eos_ids)
     inbox = shell.bind_inbox(m.DetokenizerInbox)
     await shell.ready()
     while True:

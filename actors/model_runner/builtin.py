@@ -37,9 +37,9 @@ class ModelSpec:
 
     vocab: str  # a key of qwen_bpe.VOCABS
     config: dict = field(default_factory=dict)  # architecture fields of config.json
-    embed_std: float = 1.0
-    residual_gain: float = 4.0  # std of block outputs relative to 1/sqrt(fan_in) init
-    logit_gain: float = 1.0  # final RMSNorm weight; logit std ~ embed_std * logit_gain * sqrt(hidden)
+    embed_std: float = 0.02
+    residual_gain: float = 4.0  # std of the projections that write the residual stream, x 1/sqrt(fan_in)
+    logit_std: float = 8.0  # sets the final RMSNorm weight: logit std ~ weight * embed_std * sqrt(hidden)
 
 
 _QWEN3_5_ROPE = {"rope_type": "default", "rope_theta": 10_000_000.0, "partial_rotary_factor": 0.25}
@@ -153,7 +153,7 @@ def init_weight(path: str, shape: tuple[int, ...], spec: ModelSpec, seed: int) -
     rng = np.random.default_rng([seed, int.from_bytes(hashlib.sha256(path.encode()).digest()[:8], "little")])
     leaf = path.rsplit(".", 2)[-2]  # e.g. "q_proj" of "...self_attn.q_proj.weight"
     if path.endswith("model.norm.weight"):
-        return np.full(shape, spec.logit_gain, np.float32)
+        return np.full(shape, spec.logit_std / (spec.embed_std * np.sqrt(shape[0])), np.float32)
     if path.endswith("norm.weight"):
         return np.ones(shape, np.float32)
     if leaf == "embed_tokens":

@@ -1,0 +1,210 @@
+"""The scheduler core driven by scripted step results: no model, no sockets."""
+
+from protocol import messages as m
+from protocol.codec import unpack_ids
+from actors.scheduler.core import Scheduler
+
+EOS = 99
+
+
+def make_scheduler(max_running=4, context_length=64, max_prefill_tokens=64):
+    return Scheduler(max_running=max_running, max_prefill_tokens=max_prefill_tokens,
+                     context_length=context_length, eos_ids=[EOS])
+
+
+def params(n=5, **kw):
+    return m.SamplingParams(max_new_tokens=n, **kw)
+
+
+class Driver:
+    """Plays the runner: each sampled row gets the next token of its request's script."""
+
+    def __init__(self, sched, scripts=None):
+        self.sched, self.scripts = sched, scripts or {}
+        self.tokens, self.finished, self.batches = {}, {}, []
+
+    def collect(self, out):
+        for rid, toks in out.tokens.items():
+            self.tokens.setdefault(rid, []).extend(toks)
+        for fin in out.finished:
+            assert fin.rid not in self.finished, f"{fin.rid} got two terminal replies"
+            self.finished[fin.rid] = fin
+
+    def step(self):
+        batch = self.sched.schedule()
+        self.collect(self.sched.take())
+        if batch is None:
+            return None
+        self.batches.append(batch)
+        self.check(batch)
+        by_row = {r.row: r for r in self.sched.running}
+        by_row.update({r.row: r for r in self.sched.requests.values() if r.row})
+        toks = []
+        for row, s in zip(batch.rows, batch.sample):
+            if s:
+                req = by_row[row]
+                script = self.scripts.get(req.rid, [])
+                i = len(req.output)
+                toks.append(script[i] if i < len(script) else 1000 + i)
+        rows = [r for r, s in zip(batch.rows, batch.sample) if s]
+        self.collect(self.sched.on_result(m.StepResult(step=batch.step, rows=rows, tokens=toks)))
+        return batch
+
+    def check(self, batch):
+        assert len(set(batch.rows)) == len(batch.rows), "a row twice in one step"
+        assert 0 not in batch.rows, "row 0 is padding"
+        owned = {r.row for r in self.sched.requests.values() if r.row}
+        assert set(batch.rows) <= owned
+        assert len(owned) <= self.sched.rows.size
+        ids = unpack_ids(batch.input_ids)
+        assert len(ids) == sum(n for n, f in zip(batch.input_lens, batch.future) if not f)
+
+    def run(self, limit=200):
+        for _ in range(limit):
+            if self.step() is None and self.sched.idle:
+                return
+        raise AssertionError("did not finish")
+
+
+def test_requests_run_to_length_and_free_everything():
+    s = make_scheduler()
+    d = Driver(s)
+    for i in range(3):
+        d.collect(s.add(f"r{i}", [1, 2, 3], params(4)))
+    d.run()
+    assert {rid: f.reason for rid, f in d.finished.items()} == {f"r{i}": "length" for i in range(3)}
+    assert all(len(d.tokens[f"r{i}"]) == 4 for i in range(3))
+    assert s.idle and s.leaks() == {"rows": [], "requests": []}
+    assert s.rows.available == 4
+
+
+def test_eos_and_stop_token_ids_stop_with_reason_stop():
+    s = make_scheduler()
+    d = Driver(s, {"a": [5, 6, EOS, 7], "b": [5, 42, 8], "c": [EOS]})
+    d.collect(s.add("a", [1], params(10)))
+    d.collect(s.add("b", [1], params(10, stop_token_ids=[42])))
+    d.collect(s.add("c", [1], params(10, ignore_eos=True)))
+    d.run()
+    assert d.tokens["a"] == [5, 6, EOS] and d.finished["a"].reason == "stop"
+    assert d.tokens["b"] == [5, 42] and d.finished["b"].reason == "stop"
+    assert d.finished["c"].reason == "length" and len(d.tokens["c"]) == 10
+
+
+def test_first_step_prefills_then_decode_rows_are_futures():
+    s = make_scheduler()
+    d = Driver(s)
+    d.collect(s.add("a", [1, 2, 3], params(3)))
+    first = d.step()
+    assert first.future == [False] and first.input_lens == [3] and first.start_pos == [0]
+    assert first.admit_rows == first.rows
+    second = d.step()
+    assert second.future == [True] and second.start_pos == [3] and second.input_ids == b""
+    assert second.admit_rows == []
+
+
+def test_new_requests_join_a_running_batch_and_finished_ones_leave():
+    s = make_scheduler()
+    d = Driver(s)
+    d.collect(s.add("a", [1, 2], params(6)))
+    d.step(); d.step()
+    d.collect(s.add("b", [3, 4, 5], params(2)))
+    mixed = d.step()
+    assert mixed.future == [True, False]  # a decodes while b prefills, in one step
+    d.run()
+    rows_per_step = [len(b.rows) for b in d.batches]
+    assert max(rows_per_step) == 2 and rows_per_step[-1] == 1
+    assert d.finished["a"].completion_tokens == 6 and d.finished["b"].completion_tokens == 2
+
+
+def test_admission_waits_for_a_free_row():
+    s = make_scheduler(max_running=2)
+    d = Driver(s)
+    for i in range(3):
+        d.collect(s.add(f"r{i}", [1], params(3)))
+    first = d.step()
+    assert len(first.rows) == 2 and len(s.queue) == 1
+    d.run()
+    assert len(d.finished) == 3
+
+
+def test_abort_queued_is_answered_at_once():
+    s = make_scheduler(max_running=1)
+    d = Driver(s)
+    d.collect(s.add("a", [1], params(5)))
+    d.collect(s.add("b", [1], params(5)))
+    d.step()
+    d.collect(s.abort("b"))
+    assert d.finished["b"].reason == "abort" and "b" not in s.requests
+    d.run()
+    assert d.finished["a"].reason == "length"
+
+
+def test_abort_running_finishes_through_the_next_result():
+    s = make_scheduler()
+    d = Driver(s)
+    d.collect(s.add("a", [1], params(50)))
+    d.step(); d.step()
+    before = len(d.tokens["a"])
+    # Marked while a step is in flight: the runner may still touch the row.
+    batch = s.schedule()
+    d.collect(s.abort("a"))
+    assert "a" not in d.finished and s.requests["a"].row in batch.rows
+    d.collect(s.on_result(m.StepResult(step=batch.step, rows=batch.rows, tokens=[7])))
+    assert d.finished["a"].reason == "abort"
+    assert len(d.tokens["a"]) == before  # the token of the aborted step is not emitted
+    assert s.idle and s.leaks() == {"rows": [], "requests": []}
+
+
+def test_abort_between_steps_ends_at_next_schedule():
+    s = make_scheduler()
+    d = Driver(s)
+    d.collect(s.add("a", [1], params(50)))
+    d.step()
+    d.collect(s.abort("a"))
+    assert "a" not in d.finished
+    assert d.step() is None
+    assert d.finished["a"].reason == "abort" and s.idle
+
+
+def test_context_length_bounds_prompt_and_output():
+    s = make_scheduler(context_length=8)
+    d = Driver(s)
+    d.collect(s.add("long", list(range(8)), params(4)))
+    assert d.finished["long"].reason == "error" and d.finished["long"].code == 400
+    assert "context" in d.finished["long"].message
+    d.collect(s.add("fits", list(range(5)), params(100)))
+    d.run()
+    assert d.finished["fits"].reason == "length"
+    assert 5 + len(d.tokens["fits"]) == 8
+
+
+def test_duplicate_rid_is_rejected_without_touching_the_first():
+    s = make_scheduler()
+    d = Driver(s)
+    d.collect(s.add("a", [1], params(2)))
+    d.collect(s.add("a", [1], params(2)))
+    assert d.finished["a"].reason == "error"
+    del d.finished["a"]
+    d.run()
+    assert d.finished["a"].reason == "length"
+
+
+def test_runner_error_ends_the_step_requests_with_error():
+    s = make_scheduler()
+    d = Driver(s)
+    d.collect(s.add("a", [1], params(5)))
+    batch = s.schedule()
+    d.collect(s.on_result(m.StepResult(step=batch.step, rows=[], tokens=[], error="boom")))
+    assert d.finished["a"].reason == "error" and "boom" in d.finished["a"].message
+    assert s.idle and s.leaks() == {"rows": [], "requests": []}
+
+
+def test_prefill_budget_splits_admissions_but_never_starves_a_long_prompt():
+    s = make_scheduler(max_prefill_tokens=4)
+    d = Driver(s)
+    d.collect(s.add("big", list(range(10)), params(1)))
+    d.collect(s.add("small", [1, 2], params(1)))
+    first = d.step()
+    assert first.input_lens == [10]  # alone, over budget
+    second = d.step()
+    assert second.input_lens == [2]
