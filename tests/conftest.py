@@ -1,0 +1,13 @@
+import os
+from pathlib import Path
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def model_cache(tmp_path_factory) -> Path:
+    """Built-in models are built once per machine (MAS_CACHE_DIR) or once per test session."""
+    env = os.environ.get("MAS_CACHE_DIR")
+    path = Path(env) if env else tmp_path_factory.mktemp("models")
+    os.environ["MAS_CACHE_DIR"] = str(path)  # launched graphs find the same models
+    return path

@@ -1,0 +1,107 @@
+"""Start the real graph (`launch` in a subprocess: real processes, real sockets) for e2e tests."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie has exited: it only waits for its parent to reap it.
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except OSError:
+        return True
+
+
+class Graph:
+    def __init__(self, *overrides: str, ready_timeout: float = 240.0):
+        args = [sys.executable, "-m", "launch", "--config", str(ROOT / "configs" / "qwen.toml"),
+                "--set", "server.port=0", "--set", "log.format=json",
+                *[a for o in overrides for a in ("--set", o)]]
+        self.proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                     text=True, cwd=ROOT)
+        self.records: list[dict] = []
+        self._stderr = threading.Thread(target=self._read_stderr, daemon=True)
+        self._stderr.start()
+        self.address = self._wait_ready(ready_timeout)
+
+    def _read_stderr(self) -> None:
+        for line in self.proc.stderr:
+            try:
+                self.records.append(json.loads(line))
+            except ValueError:
+                self.records.append({"event": "raw", "line": line.rstrip()})
+
+    def _wait_ready(self, timeout: float) -> str:
+        result: list[str] = []
+
+        def read() -> None:
+            for line in self.proc.stdout:
+                found = re.search(r"ready: .* client (tcp://\S+)", line)
+                if found:
+                    result.append(found.group(1))
+                    return
+
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
+        reader.join(timeout)
+        if not result:
+            self.proc.kill()
+            raise RuntimeError(f"graph not ready in {timeout} s: {self.records[-20:]}")
+        return result[0]
+
+    def events(self, name: str, **match) -> list[dict]:
+        return [r for r in self.records if r.get("event") == name
+                and all(r.get(k) == v for k, v in match.items())]
+
+    def wait_for(self, name: str, timeout: float = 10.0, **match) -> list[dict]:
+        """Log records arrive through a pipe: wait for the first matching one."""
+        deadline = time.monotonic() + timeout
+        while not (found := self.events(name, **match)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return found
+
+    def actor_pids(self) -> dict[str, int]:
+        return {r["actor"]: r["pid"] for r in self.events("actor.ready")}
+
+    @property
+    def ipc_dir(self) -> str:
+        return self.events("launch.start")[0]["ipc_dir"]
+
+    def stop(self, sig: int = signal.SIGINT, timeout: float = 60.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        return self.wait(timeout)
+
+    def wait(self, timeout: float = 60.0) -> int:
+        try:
+            code = self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            raise
+        self._stderr.join(5)
+        return code
+
+    def wait_gone(self, pids, timeout: float = 20.0) -> list[int]:
+        """The pids still alive after the timeout."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            left = [p for p in pids if alive(p)]
+            if not left:
+                return []
+            time.sleep(0.1)
+        return [p for p in pids if alive(p)]
