@@ -81,6 +81,7 @@ class Client:
         req = _request(prompt, req_id, max_new_tokens=max_new_tokens, temperature=temperature,
                        stream=stream, stop_token_ids=list(stop_token_ids),
                        ignore_eos=ignore_eos)
+        self._forget_old_events()
         self.sock.send(_encoder.encode(req))
         replies = self._replies(req.req_id)
         if stream:
@@ -95,13 +96,16 @@ class Client:
 
     def _replies(self, req_id: str) -> Iterator[str | Result]:
         timeout_ms = None if self.timeout is None else int(self.timeout * 1000)
+        lost = False
         while True:
-            ready = dict(self.poller.poll(timeout_ms))
+            # Once the connection dropped, only replies already here can still come.
+            ready = dict(self.poller.poll(100 if lost else timeout_ms))
             if not ready:
+                if lost:
+                    raise ServerError("connection to the server was lost", req_id=req_id)
                 raise ServerError(f"no reply within {self.timeout} s", req_id=req_id)
             if self.monitor in ready:
-                if _lost([parse_monitor_message(self.monitor.recv_multipart())]):
-                    raise ServerError("connection to the server was lost", req_id=req_id)
+                lost = lost or _lost([parse_monitor_message(self.monitor.recv_multipart())])
             if self.sock in ready:
                 reply = _reply_decoder.decode(self.sock.recv())
                 if reply.req_id != req_id and reply.req_id:
@@ -113,6 +117,11 @@ class Client:
                 else:
                     yield reply
                     return
+
+    def _forget_old_events(self) -> None:
+        """Connection events from before this request say nothing about it."""
+        while self.monitor.poll(0):
+            self.monitor.recv_multipart()
 
     def close(self) -> None:
         self.sock.disable_monitor()
@@ -181,13 +190,16 @@ class AsyncClient:
         poller = zmq.asyncio.Poller()
         poller.register(self.sock, zmq.POLLIN)
         poller.register(self.monitor, zmq.POLLIN)
+        lost = False
         while self.waiting:
-            ready = dict(await poller.poll(1000))
+            # Once the connection dropped, only replies already here can still come.
+            ready = dict(await poller.poll(100 if lost else 1000))
+            if not ready and lost:
+                for q in self.waiting.values():
+                    q.put_nowait(ServerError("connection to the server was lost"))
+                lost = False
             if self.monitor in ready:
-                event = parse_monitor_message(await self.monitor.recv_multipart())
-                if _lost([event]):
-                    for q in self.waiting.values():
-                        q.put_nowait(ServerError("connection to the server was lost"))
+                lost = lost or _lost([parse_monitor_message(await self.monitor.recv_multipart())])
             if self.sock in ready:
                 reply = _reply_decoder.decode(await self.sock.recv())
                 q = self.waiting.get(reply.req_id)

@@ -39,6 +39,7 @@ class ModelSpec:
     config: dict = field(default_factory=dict)  # architecture fields of config.json
     embed_std: float = 0.02
     residual_gain: float = 4.0  # std of the projections that write the residual stream, x 1/sqrt(fan_in)
+    qk_norm: float = 1.0  # q_norm/k_norm weight; attention logits scale with its square
     logit_std: float = 8.0  # sets the final RMSNorm weight: logit std ~ weight * embed_std * sqrt(hidden)
 
 
@@ -154,6 +155,8 @@ def init_weight(path: str, shape: tuple[int, ...], spec: ModelSpec, seed: int) -
     leaf = path.rsplit(".", 2)[-2]  # e.g. "q_proj" of "...self_attn.q_proj.weight"
     if path.endswith("model.norm.weight"):
         return np.full(shape, spec.logit_std / (spec.embed_std * np.sqrt(shape[0])), np.float32)
+    if leaf in ("q_norm", "k_norm"):
+        return np.full(shape, spec.qk_norm, np.float32)
     if path.endswith("norm.weight"):
         return np.ones(shape, np.float32)
     if leaf == "embed_tokens":

@@ -37,7 +37,8 @@ class TokenizerActor:
                 await self._inbox()
                 clients.cancel()
         finally:
-            self.router.close(linger=0)
+            # Linger: the error replies of a shutdown must reach their clients.
+            self.router.close(linger=2000)
 
     async def _clients(self) -> None:
         while True:

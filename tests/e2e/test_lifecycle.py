@@ -1,0 +1,83 @@
+"""Start, stop and die: the graph shuts down in order, errors open requests instead of hanging,
+and leaves no process or ipc file behind."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+
+import pytest
+
+from actors.model_runner.builtin import ensure_builtin
+from protocol import messages as m
+from protocol.client import Client, ServerError
+from tests.e2e.graph import Graph
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def tiny(model_cache):
+    ensure_builtin("qwen3-tiny", cache_dir=model_cache, progress=False)
+    return "model.builtin=qwen3-tiny"
+
+
+def test_sigint_drains_and_exits_cleanly(tiny):
+    g = Graph(tiny)
+    pids = list(g.actor_pids().values())
+    assert len(pids) == 4
+    with Client(g.address, timeout=60) as client:
+        assert client.generate("Hello", max_new_tokens=3).finish_reason == "length"
+    assert g.stop(signal.SIGINT) == 0
+    assert g.wait_gone(pids) == []
+    assert not os.path.exists(g.ipc_dir)
+
+
+def test_sigterm_lets_an_open_request_finish(tiny):
+    g = Graph(tiny, "launch.drain_timeout_s=60")
+    with Client(g.address, timeout=60) as client:
+        stream = client.generate("Count slowly", max_new_tokens=40, ignore_eos=True, stream=True)
+        next(stream)  # it is running
+        g.proc.send_signal(signal.SIGTERM)
+        final = [p for p in stream][-1]
+    assert isinstance(final, m.Finished) and final.completion_tokens == 40
+    assert g.wait() == 0
+
+
+@pytest.mark.parametrize("victim", ["runner", "scheduler", "detokenizer", "tokenizer"])
+def test_a_killed_actor_errors_open_requests_and_takes_the_graph_down(tiny, victim):
+    g = Graph(tiny)
+    pids = g.actor_pids()
+    errors: list[ServerError] = []
+    started = threading.Event()
+
+    def request() -> None:
+        with Client(g.address, timeout=60) as client:
+            try:
+                for _ in client.generate("Tell me everything", max_new_tokens=3000,
+                                         ignore_eos=True, stream=True):
+                    started.set()
+            except ServerError as e:
+                errors.append(e)
+
+    worker = threading.Thread(target=request)
+    worker.start()
+    assert started.wait(60)
+    os.kill(pids[victim], signal.SIGKILL)
+    worker.join(60)
+    assert not worker.is_alive(), "the client hung"
+    assert len(errors) == 1
+    if victim != "tokenizer":
+        assert f"actor {victim} died" in errors[0].message
+    assert g.wait(60) != 0
+    assert g.wait_gone(pids.values()) == []
+    assert not os.path.exists(g.ipc_dir)
+
+
+def test_children_exit_when_the_launcher_is_killed(tiny):
+    g = Graph(tiny)
+    pids = list(g.actor_pids().values())
+    g.proc.kill()
+    g.wait(30)
+    assert g.wait_gone(pids, timeout=30) == []
