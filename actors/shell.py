@@ -63,8 +63,8 @@ class Shell:
         self._push(peer).send(encode(msg))
 
     async def ready(self, **info: str) -> None:
-        await self.send("launcher", m.Ready(actor=self.name, pid=os.getpid(), info=info))
         self.log.info("actor.ready", **info)
+        await self.send("launcher", m.Ready(actor=self.name, pid=os.getpid(), info=info))
 
     def close(self) -> None:
         for sock in self._pushes.values():

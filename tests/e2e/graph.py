@@ -76,6 +76,9 @@ class Graph:
         return found
 
     def actor_pids(self) -> dict[str, int]:
+        deadline = time.monotonic() + 10
+        while len(self.events("actor.ready")) < 4 and time.monotonic() < deadline:
+            time.sleep(0.05)  # log lines travel through a pipe, after the ready line
         return {r["actor"]: r["pid"] for r in self.events("actor.ready")}
 
     @property
