@@ -10,6 +10,7 @@ function of the context, and scales the final norm so the logits spread by sever
 above float noise). tests/unit/test_builtin_model.py measures both properties.
 """
 
+import copy
 import hashlib
 import importlib
 import json
@@ -28,7 +29,7 @@ from tqdm import tqdm
 from actors.tokenizer.qwen_bpe import VOCABS, write_tokenizer
 
 # Bump when the build itself changes (init rules, file layout): every cached model then rebuilds.
-BUILD_VERSION = 1
+BUILD_VERSION = 2
 
 
 @dataclass(frozen=True)
@@ -39,7 +40,7 @@ class ModelSpec:
     config: dict = field(default_factory=dict)  # architecture fields of config.json
     embed_std: float = 0.02
     residual_gain: float = 4.0  # std of the projections that write the residual stream, x 1/sqrt(fan_in)
-    qk_norm: float = 1.0  # q_norm/k_norm weight; attention logits scale with its square
+    qk_norm: float = 2.0  # q_norm/k_norm weight; attention logits scale with its square
     logit_std: float = 8.0  # sets the final RMSNorm weight: logit std ~ weight * embed_std * sqrt(hidden)
 
 
@@ -113,7 +114,7 @@ def ensure_builtin(name: str, cache_dir: Path | None = None, progress: bool = Tr
 def model_config(name: str, spec: ModelSpec) -> dict:
     """config.json: the spec's architecture plus the fields loaders expect from a real checkpoint."""
     specials = VOCABS[spec.vocab].special_ids()
-    arch = spec.config
+    arch = copy.deepcopy(spec.config)
     config = {
         "architectures": ["Qwen3ForCausalLM" if arch["model_type"] == "qwen3" else "Qwen3_5ForCausalLM"],
         **arch,
@@ -140,7 +141,8 @@ def model_config(name: str, spec: ModelSpec) -> dict:
 def weight_shapes(config: dict) -> dict[str, tuple[int, ...]]:
     """Parameter names and shapes, taken from mlx-lm's own model class so loading matches exactly."""
     arch = importlib.import_module(f"mlx_lm.models.{config['model_type']}")
-    model = arch.Model(arch.ModelArgs.from_dict(config))  # parameters stay lazy: nothing is computed
+    # A copy, because mlx-lm's argument classes rewrite nested dicts (rope_parameters) in place.
+    model = arch.Model(arch.ModelArgs.from_dict(copy.deepcopy(config)))  # lazy: nothing is computed
     return {path: tuple(value.shape) for path, value in tree_flatten(model.parameters())}
 
 
@@ -149,9 +151,14 @@ def count_params(name: str) -> int:
     return sum(int(np.prod(s)) for s in weight_shapes(model_config(name, spec)).values())
 
 
+def _seed(text: str) -> int:
+    # Python's hash() is salted per process; a digest gives every machine and run the same seed.
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little")
+
+
 def init_weight(path: str, shape: tuple[int, ...], spec: ModelSpec, seed: int) -> np.ndarray:
     """One parameter's initial value; each has its own stream so the order of generation is irrelevant."""
-    rng = np.random.default_rng([seed, int.from_bytes(hashlib.sha256(path.encode()).digest()[:8], "little")])
+    rng = np.random.default_rng([seed, _seed(path)])
     leaf = path.rsplit(".", 2)[-2]  # e.g. "q_proj" of "...self_attn.q_proj.weight"
     if path.endswith("model.norm.weight"):
         return np.full(shape, spec.logit_std / (spec.embed_std * np.sqrt(shape[0])), np.float32)
@@ -175,7 +182,7 @@ def build_model_dir(name: str, spec: ModelSpec, directory: Path, progress: bool 
     directory.mkdir(parents=True)
     config = model_config(name, spec)
     shapes = weight_shapes(config)
-    seed = int.from_bytes(hashlib.sha256(name.encode()).digest()[:4], "little")
+    seed = _seed(name)
     total = sum(int(np.prod(s)) for s in shapes.values()) * 4
     weights = {}
     with tqdm(total=total, unit="B", unit_scale=True, desc=f"building {name}", file=sys.stderr,
@@ -183,7 +190,8 @@ def build_model_dir(name: str, spec: ModelSpec, directory: Path, progress: bool 
         for path in sorted(shapes):
             weights[path] = mx.array(init_weight(path, shapes[path], spec, seed))
             bar.update(weights[path].nbytes)
+        bar.set_postfix_str("writing")
+        mx.save_safetensors(str(directory / "model.safetensors"), weights, metadata={"format": "mlx"})
         bar.set_postfix_str("tokenizer")
         write_tokenizer(directory, spec.vocab)
-    mx.save_safetensors(str(directory / "model.safetensors"), weights, metadata={"format": "mlx"})
     (directory / "config.json").write_text(json.dumps(config, indent=2))
