@@ -1,10 +1,13 @@
-"""Loading the model directory's tokenizer: the HF tokenizer for chat templates, its fast
-(Rust) backend for encode/decode on the hot path."""
+"""Loading the model directory's tokenizer: tokenizer.json itself (the Rust `tokenizers`
+library) for encode/decode on the hot path, the HF tokenizer for chat templates."""
 
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Any
+
+from tokenizers import Tokenizer
 
 
 class TextTokenizer:
@@ -14,7 +17,11 @@ class TextTokenizer:
         from transformers import AutoTokenizer
 
         self.hf = AutoTokenizer.from_pretrained(path)
-        self._fast = getattr(self.hf, "backend_tokenizer", None)
+        # The file as written, not the HF class's rebuild of it: transformers rebuilds some
+        # tokenizers (Qwen3.5) from vocab and merges and loses settings such as ignore_merges.
+        file = Path(path) / "tokenizer.json"
+        self._fast = (Tokenizer.from_file(str(file)) if file.is_file()
+                      else getattr(self.hf, "backend_tokenizer", None))
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         if self._fast is not None:
