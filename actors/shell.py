@@ -36,6 +36,7 @@ class ModelInfo(msgspec.Struct, frozen=True):
     eos_ids: list[int]
     vocab_size: int
     model_type: str
+    kv_bytes_per_token: int = 0  # KV memory one token takes across the attention layers
 
 
 class Shell:

@@ -42,8 +42,22 @@ class ServerConfig(Section):
 
 class SchedulerConfig(Section):
     max_running_requests: Annotated[int, Meta(ge=1, le=4096)] = 16
-    # Prompt tokens prefilled per step at most (a prompt longer than this still runs alone).
-    max_prefill_tokens: Annotated[int, Meta(ge=1)] = 4096
+    # Requests waiting for admission; beyond this a new one gets a "queue full" error at once.
+    max_queued_requests: Annotated[int, Meta(ge=0)] = 1024
+    # Send step N+1 before processing step N's result, so the runner never waits for Python.
+    overlap: bool = True
+    # Prompt tokens prefilled per step; longer prompts are split into chunks of this size and
+    # run in the same steps as the running requests' decode rows.
+    chunked_prefill_size: Annotated[int, Meta(ge=1)] = 512
+    # KV slots a request must find free beyond its prompt to be admitted (capped by its
+    # max_new_tokens); decode beyond that is covered by retracting the least advanced request.
+    output_reserve_tokens: Annotated[int, Meta(ge=0)] = 64
+
+
+class MemoryConfig(Section):
+    # KV capacity in tokens (slots); 0 derives it from kv_fraction of physical memory.
+    kv_tokens: Annotated[int, Meta(ge=0)] = 0
+    kv_fraction: Annotated[float, Meta(gt=0, le=0.9)] = 0.25
 
 
 class LogConfig(Section):
@@ -52,6 +66,8 @@ class LogConfig(Section):
     format: Literal["auto", "json", "console"] = "auto"
     stderr: bool = True
     file: str = ""  # also append JSON lines here when set
+    # How often the runner logs its utilisation (busy fraction, steps/s) while it has work.
+    stats_interval_s: Seconds = 5.0
 
 
 class LaunchConfig(Section):
@@ -64,6 +80,7 @@ class Config(Section):
     model: ModelConfig = ModelConfig()
     server: ServerConfig = ServerConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
+    memory: MemoryConfig = MemoryConfig()
     log: LogConfig = LogConfig()
     launch: LaunchConfig = LaunchConfig()
 

@@ -157,6 +157,9 @@ class ForwardBatch(Wire, tag=_tag("ForwardBatch")):
     # Sampling parameters travel once, when a row is admitted; later steps refer to the row.
     admit_rows: list[int] = []
     admit_params: list[SamplingParams] = []
+    # Rows the scheduler released since the last step (no step in flight references them):
+    # the runner drops whatever it holds for them before running this step.
+    release_rows: list[int] = []
 
 
 class StepResult(Wire, tag=_tag("StepResult")):

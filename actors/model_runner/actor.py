@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import queue
 import threading
+import time
 import traceback
 
 from actors.model_runner.loading import load_model
@@ -32,7 +33,16 @@ class MlxThread(threading.Thread):
             self.loop.call_soon_threadsafe(self.loaded.set_exception, e)
             return
         self.loop.call_soon_threadsafe(self.loaded.set_result, None)
-        while (batch := self.inbox.get()) is not _STOP:
+        stats = Utilisation(self.log, self.shell.cfg.log.stats_interval_s)
+        while True:
+            try:
+                batch = self.inbox.get(timeout=stats.interval)
+            except queue.Empty:
+                stats.maybe_report()
+                continue
+            if batch is _STOP:
+                return
+            started = time.perf_counter()
             try:
                 result = runner.step(batch)
             except Exception as e:
@@ -43,6 +53,38 @@ class MlxThread(threading.Thread):
                 runner = ModelRunner(model, self.shell.cfg.scheduler.max_running_requests)
                 result = m.StepResult(step=batch.step, rows=[], tokens=[], error=repr(e))
             self.loop.call_soon_threadsafe(self.shell.send_now, "scheduler", result)
+            stats.step(time.perf_counter() - started, len(result.tokens))
+
+
+class Utilisation:
+    """Per interval: the fraction of wall time the runner spent running steps, and steps/s.
+    With overlap the next step is already queued when one ends, so busy stays near 1."""
+
+    def __init__(self, log, interval: float):
+        self.log, self.interval = log, interval
+        self._reset(time.perf_counter())
+
+    def _reset(self, now: float) -> None:
+        self.since, self.busy, self.steps, self.tokens = now, 0.0, 0, 0
+
+    def step(self, seconds: float, tokens: int) -> None:
+        self.busy += seconds
+        self.steps += 1
+        self.tokens += tokens
+        self.maybe_report()
+
+    def maybe_report(self) -> None:
+        now = time.perf_counter()
+        wall = now - self.since
+        if wall < self.interval:
+            return
+        if self.steps:
+            self.log.info("runner.utilisation", busy_fraction=round(self.busy / wall, 4),
+                          idle_fraction=round(1 - self.busy / wall, 4), busy_s=round(self.busy, 4),
+                          wall_s=round(wall, 4), steps=self.steps,
+                          steps_per_s=round(self.steps / wall, 2),
+                          tokens_per_s=round(self.tokens / wall, 2))
+        self._reset(now)
 
 
 async def serve(shell: Shell) -> None:

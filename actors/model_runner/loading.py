@@ -48,8 +48,27 @@ def read_model_info(path: str, name: str = "", context_length: int = 0) -> Model
             if added.get("content") == eos_token:
                 eos.append(int(added["id"]))
     max_pos = config.get("max_position_embeddings", text.get("max_position_embeddings", 4096))
+    get = lambda key, default=None: config.get(key, text.get(key, default))  # noqa: E731
     vocab = config.get("vocab_size", text.get("vocab_size", 0))
     return ModelInfo(path=str(folder), name=name or folder.name,
                      context_length=context_length or int(max_pos),
                      eos_ids=sorted(set(eos)), vocab_size=int(vocab),
-                     model_type=config.get("model_type", ""))
+                     model_type=config.get("model_type", ""),
+                     kv_bytes_per_token=_kv_bytes_per_token(get))
+
+
+_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+
+def _kv_bytes_per_token(get) -> int:
+    """K and V of one token in every softmax-attention layer. Hybrid models (a full-attention
+    layer every `full_attention_interval`) keep a fixed-size state in the other layers."""
+    layers = int(get("num_hidden_layers", 0))
+    interval = get("full_attention_interval")
+    if interval:
+        layers = sum(1 for i in range(layers) if (i + 1) % int(interval) == 0)
+    heads = int(get("num_key_value_heads") or get("num_attention_heads", 0))
+    head_dim = get("head_dim") or int(get("hidden_size", 0)) // max(1, int(get(
+        "num_attention_heads", 1)))
+    width = _DTYPE_BYTES.get(str(get("torch_dtype") or get("dtype") or "float16"), 2)
+    return 2 * layers * heads * int(head_dim) * width

@@ -37,6 +37,7 @@ class ModelRunner:
 
     def step(self, batch: m.ForwardBatch) -> m.StepResult:
         t0 = time.perf_counter()
+        self._release(batch.release_rows)
         for row, params in zip(batch.admit_rows, batch.admit_params):
             self.temperature[row] = params.temperature
         self._keep_decoding([r for r, f in zip(batch.rows, batch.future) if f])
@@ -64,6 +65,14 @@ class ModelRunner:
             token_list = []
         return m.StepResult(step=batch.step, rows=out_rows, tokens=token_list,
                             forward_s=time.perf_counter() - t0)
+
+    def _release(self, rows: list[int]) -> None:
+        """The scheduler freed these rows: drop their prompt caches and decode state."""
+        for row in rows:
+            self.prefilling.pop(row, None)
+        gone = set(rows) & set(self.decode_rows)
+        if gone:
+            self._keep_decoding([r for r in self.decode_rows if r not in gone])
 
     # -- decode --------------------------------------------------------------------------------
 

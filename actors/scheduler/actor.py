@@ -1,8 +1,14 @@
 """The scheduler actor: requests, aborts and step results in; ForwardBatches to the runner and
-TokenBatches to the detokenizer out. One step in flight at a time (overlap is issue B)."""
+TokenBatches to the detokenizer out.
+
+Overlap (scheduler.overlap, the default): up to two steps are in flight, so when step N's result
+arrives the runner is already running step N+1; the scheduler processes N's result and builds
+N+2 while it does. Without overlap, one step at a time.
+"""
 
 from __future__ import annotations
 
+import os
 import time
 
 from actors.scheduler.core import Outputs, Scheduler
@@ -11,19 +17,36 @@ from protocol import messages as m
 from protocol.codec import unpack_ids
 
 
+def kv_capacity(shell: Shell) -> int:
+    """KV slots: configured, or a fraction of physical memory over one token's KV bytes."""
+    mem = shell.cfg.memory
+    if mem.kv_tokens:
+        return mem.kv_tokens
+    physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    per_token = max(1, shell.model.kv_bytes_per_token)
+    ceiling = shell.cfg.scheduler.max_running_requests * shell.model.context_length
+    return max(1, min(int(physical * mem.kv_fraction) // per_token, ceiling))
+
+
 class SchedulerActor:
     def __init__(self, shell: Shell):
         self.shell, self.log = shell, shell.log
         cfg = shell.cfg.scheduler
+        self.depth = 2 if cfg.overlap else 1
         self.core = Scheduler(max_running=cfg.max_running_requests,
-                              max_prefill_tokens=cfg.max_prefill_tokens,
                               context_length=shell.model.context_length,
-                              eos_ids=shell.model.eos_ids)
+                              eos_ids=shell.model.eos_ids,
+                              chunked_prefill_size=cfg.chunked_prefill_size,
+                              kv_slots=kv_capacity(shell),
+                              max_queued=cfg.max_queued_requests,
+                              output_reserve=cfg.output_reserve_tokens)
         self.inbox = shell.bind_inbox(m.SchedulerInbox)
-        self.busy = False  # a step is in flight on the runner
         self.arrival: dict[str, float] = {}
+        self.was_idle = True
 
     async def serve(self) -> None:
+        self.log.info("scheduler.config", overlap=self.depth == 2, kv_slots=self.core.slots.capacity,
+                      rows=self.core.rows.size, chunked_prefill_size=self.core.chunk)
         await self.shell.ready()
         while True:
             out = Outputs()
@@ -31,47 +54,47 @@ class SchedulerActor:
                 match msg:
                     case m.TokenizedRequest():
                         self.arrival[msg.rid] = time.monotonic()
-                        self._merge(out, self.core.add(msg.rid, unpack_ids(msg.input_ids),
-                                                       msg.params))
+                        out.merge(self.core.add(msg.rid, unpack_ids(msg.input_ids), msg.params))
                     case m.Abort():
                         self.log.info("request.abort", rid=msg.rid)
-                        self._merge(out, self.core.abort(msg.rid))
+                        out.merge(self.core.abort(msg.rid))
                     case m.StepResult():
-                        self.busy = False
                         if msg.error:
                             self.log.error("step.failed", step=msg.step, error=msg.error)
-                        self._merge(out, self.core.on_result(msg))
+                        out.merge(self.core.on_result(msg))
                     case m.Shutdown():
                         return
-            if not self.busy:
+            while len(self.core.in_flight) < self.depth:
                 batch = self.core.schedule()
-                if batch is not None:
-                    await self.shell.send("runner", batch)
-                    self.busy = True
-                    self._log_admissions(batch)
-                # schedule() ends aborted requests that had nothing in flight.
-                self._merge(out, self.core.take())
+                if batch is None:
+                    break
+                await self.shell.send("runner", batch)
+                self._log_admissions(batch)
+            # schedule() ends aborted requests that had nothing in flight.
+            out.merge(self.core.take())
             if out:
                 await self.shell.send("detokenizer", out.to_batch())
-                self._log_finished(out)
-            if self.core.idle:
-                self._check_idle()
-
-    def _merge(self, into: Outputs, new: Outputs) -> None:
-        for rid, toks in new.tokens.items():
-            into.tokens.setdefault(rid, []).extend(toks)
-        into.finished.extend(new.finished)
+            self._log_outputs(out)
+            self._check_idle()
 
     def _log_admissions(self, batch: m.ForwardBatch) -> None:
-        for row, n, fut in zip(batch.rows, batch.input_lens, batch.future):
-            if fut:
-                continue
-            req = next(r for r in self.core.running if r.row == row)
-            wait = time.monotonic() - self.arrival.get(req.rid, time.monotonic())
-            self.log.info("request.admitted", rid=req.rid, row=row, prompt_tokens=n,
-                          queue_s=round(wait, 6), step=batch.step)
+        admitted = set(batch.admit_rows)
+        for req in self.core.running:
+            if req.row in admitted:
+                wait = time.monotonic() - self.arrival.get(req.rid, time.monotonic())
+                self.log.info("request.admitted", rid=req.rid, row=req.row,
+                              prompt_tokens=len(req.fill), queue_s=round(wait, 6),
+                              step=batch.step, retractions=req.retractions)
+        for row, n, start, fut, smp in zip(batch.rows, batch.input_lens, batch.start_pos,
+                                           batch.future, batch.sample):
+            if not fut and not (start == 0 and smp):
+                req = next((r for r in self.core.running if r.row == row), None)
+                self.log.debug("request.prefill_chunk", rid=req.rid if req else None, row=row,
+                               start=start, tokens=n, last=smp, step=batch.step)
 
-    def _log_finished(self, out: Outputs) -> None:
+    def _log_outputs(self, out: Outputs) -> None:
+        for rid in out.retracted:
+            self.log.warning("request.retracted", rid=rid, free_slots=self.core.slots.available)
         for fin in out.finished:
             self.arrival.pop(fin.rid, None)
             self.log.info("request.ended", rid=fin.rid, reason=fin.reason,
@@ -79,9 +102,16 @@ class SchedulerActor:
                           completion_tokens=fin.completion_tokens)
 
     def _check_idle(self) -> None:
-        leaks = self.core.leaks()
-        if any(leaks.values()):
-            self.log.error("scheduler.leak", **leaks)
+        """Idle: every row and slot must be back on its free list; else log the leaked ids."""
+        idle = self.core.idle
+        if idle and not self.was_idle:
+            leaks = self.core.leaks()
+            if any(leaks.values()):
+                self.log.error("scheduler.leak", **leaks)
+            else:
+                self.log.info("scheduler.idle", free_rows=self.core.rows.available,
+                              free_slots=self.core.slots.available)
+        self.was_idle = idle
 
 
 async def serve(shell: Shell) -> None:

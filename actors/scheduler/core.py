@@ -1,21 +1,23 @@
 """The scheduler's pure core: queue, admission, batch composition, stop checks, finish reasons.
 
 No sockets, no arrays, no clock. The shell feeds it requests, aborts and step results, and ships
-what it returns. API: add, abort, schedule() -> ForwardBatch | None, on_result(result).
+what it returns. API: add, abort, schedule() -> ForwardBatch | None, on_result(result), take().
 
 A decode row never carries its input token: it is a future ("whatever this row sampled last"),
-resolved by the runner from its token buffer, so a step can be built before the previous
-step's tokens are known (overlap) without the scheduler ever touching an array.
+resolved by the runner from its token buffer, so step N+1 can be built before step N's tokens
+are known (overlap). Nothing a built step references (row, KV slots) is freed before that step
+returns: a request counts the steps in flight that carry it, and is released at zero.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from itertools import count
 
 from protocol import messages as m
 from protocol.codec import pack_ids
-from actors.scheduler.pools import RowPool
+from actors.scheduler.pools import RowPool, SlotPool
 
 QUEUED, RUNNING, DONE = "queued", "running", "done"
 
@@ -25,22 +27,34 @@ class Request:
     rid: str
     prompt: list[int]
     params: m.SamplingParams
+    order: int  # arrival order: FIFO admission, newest retracted first
     state: str = QUEUED
     row: int = 0
+    slots: list[int] = field(default_factory=list)
     output: list[int] = field(default_factory=list)
-    kv_len: int = 0  # tokens whose KV is written by steps already built
-    sampled: int = 0  # tokens that steps already built will sample
-    inflight: int = 0  # steps built and not yet returned that carry this request
+    fill: list[int] = field(default_factory=list)  # what admission prefills: prompt (+ output)
+    filled: int = 0  # tokens of `fill` that built steps prefill
+    kv_len: int = 0  # tokens whose KV built steps write
+    sampled: int = 0  # output tokens that received or built steps produce
+    inflight: int = 0  # built steps not yet returned that carry this request
     aborted: bool = False
+    retracting: bool = False
+    retractions: int = 0
     finish_reason: str = ""
+
+    @property
+    def prefilling(self) -> bool:
+        return self.filled < len(self.fill)
 
 
 @dataclass
 class Outputs:
-    """What one call produced for the detokenizer: new tokens per rid and terminal records."""
+    """What the core produced since the last take(): new tokens per rid, terminal records, and
+    the requests sent back to the queue for lack of memory (for the logs)."""
 
     tokens: dict[str, list[int]] = field(default_factory=dict)
     finished: list[m.Finish] = field(default_factory=list)
+    retracted: list[str] = field(default_factory=list)
 
     def __bool__(self) -> bool:
         return bool(self.tokens or self.finished)
@@ -51,19 +65,32 @@ class Outputs:
         return m.TokenBatch(rids=rids, counts=[len(self.tokens[r]) for r in rids],
                             token_ids=pack_ids(flat), finished=self.finished)
 
+    def merge(self, other: "Outputs") -> None:
+        for rid, toks in other.tokens.items():
+            self.tokens.setdefault(rid, []).extend(toks)
+        self.finished.extend(other.finished)
+        self.retracted.extend(other.retracted)
+
 
 class Scheduler:
-    def __init__(self, *, max_running: int, max_prefill_tokens: int, context_length: int,
-                 eos_ids: list[int]):
+    def __init__(self, *, max_running: int, context_length: int, eos_ids: list[int],
+                 chunked_prefill_size: int = 512, kv_slots: int = 1 << 20,
+                 max_queued: int = 1 << 16, output_reserve: int = 64):
         self.rows = RowPool(max_running)
-        self.max_prefill_tokens = max_prefill_tokens
+        self.slots = SlotPool(kv_slots)
+        self.chunk = chunked_prefill_size
         self.context_length = context_length
         self.eos_ids = frozenset(eos_ids)
+        self.max_queued = max_queued
+        self.output_reserve = output_reserve
         self.queue: deque[Request] = deque()
         self.requests: dict[str, Request] = {}  # every request not yet released
-        self.running: list[Request] = []  # admitted, holding a row, not finished
+        self.running: list[Request] = []  # holding a row, not finished
         self.in_flight: deque[tuple[m.ForwardBatch, list[Request]]] = deque()
         self.step = 0
+        self.retractions = 0  # total, for the logs and tests
+        self._order = count()
+        self._released_rows: list[int] = []
         self._out = Outputs()
 
     # -- inputs ------------------------------------------------------------------------------
@@ -74,7 +101,15 @@ class Scheduler:
         if len(prompt) >= self.context_length:
             return self._reject(rid, len(prompt), f"prompt has {len(prompt)} tokens; the "
                                 f"model's context is {self.context_length}")
-        req = Request(rid, prompt, params)
+        need = len(prompt) + self._reserve(params.max_new_tokens)
+        if need > self.slots.capacity:
+            return self._reject(rid, len(prompt), f"prompt of {len(prompt)} tokens plus an "
+                                f"output reserve needs {need} KV slots; the server has "
+                                f"{self.slots.capacity}")
+        if len(self.queue) >= self.max_queued:
+            return self._reject(rid, len(prompt), f"queue full ({self.max_queued} requests "
+                                "waiting); retry later", code=503)
+        req = Request(rid, prompt, params, next(self._order), fill=list(prompt))
         self.requests[rid] = req
         self.queue.append(req)
         return self.take()
@@ -88,58 +123,56 @@ class Scheduler:
             self._finish(req, "abort")
             self._release(req)
         else:
-            # Running: a step in flight may touch its row, so only mark it; the next result
-            # (or the next schedule, if nothing is in flight) finishes it.
+            # A step in flight may touch its row and slots: only mark it. The next result
+            # that carries it ends it; if none is in flight, the next schedule() does.
             req.aborted = True
         return self.take()
 
     # -- one step ----------------------------------------------------------------------------
 
     def schedule(self) -> m.ForwardBatch | None:
-        for req in [r for r in self.running if r.aborted and r.inflight == 0]:
-            self._finish(req, "abort")
-            self._release(req)
+        for req in [r for r in self.running if r.inflight == 0 and (r.aborted or r.retracting)]:
+            self._settle(req)
 
         rows, lens, starts, future, sample, ids = [], [], [], [], [], []
         carried: list[Request] = []
-        # Decode every running request that has a token coming and room for another.
-        for req in self.running:
-            if req.aborted or req.sampled == 0 or not self._wants_more(req):
-                continue
-            rows.append(req.row); lens.append(1); starts.append(req.kv_len)
-            future.append(True); sample.append(True)
+
+        def add_row(req: Request, n: int, start: int, fut: bool, smp: bool) -> None:
+            rows.append(req.row); lens.append(n); starts.append(start)
+            future.append(fut); sample.append(smp)
+            carried.append(req)
+
+        for req in self._decodable():
+            req.slots += self.slots.alloc(1)
+            add_row(req, 1, req.kv_len, True, True)
             req.kv_len += 1
             req.sampled += 1
-            carried.append(req)
 
         admit_rows, admit_params = [], []
-        budget = self.max_prefill_tokens
-        while self.queue and self.rows.available:
+        budget = self.chunk
+        for req in [r for r in self.running if r.prefilling and self._active(r)]:
+            budget -= self._prefill_chunk(req, budget, add_row, ids)
+        while budget > 0 and self.queue and self.rows.available:
             req = self.queue[0]
-            # A prompt longer than the budget still runs, alone, so nothing starves.
-            if len(req.prompt) > budget and admit_rows:
-                break
+            if self.slots.available < len(req.fill) + self._reserve(self._left(req)):
+                break  # FIFO: the head waits for memory, nothing overtakes it
             self.queue.popleft()
-            req.row = self.rows.alloc()
-            req.state = RUNNING
+            req.row, req.state = self.rows.alloc(), RUNNING
+            req.slots = self.slots.alloc(len(req.fill))
             self.running.append(req)
-            budget -= len(req.prompt)
-            rows.append(req.row); lens.append(len(req.prompt)); starts.append(0)
-            future.append(False); sample.append(True)
-            ids.extend(req.prompt)
-            req.kv_len = len(req.prompt)
-            req.sampled = 1
             admit_rows.append(req.row); admit_params.append(req.params)
-            carried.append(req)
+            budget -= self._prefill_chunk(req, budget, add_row, ids)
 
-        if not rows:
+        if not rows and not self._released_rows:
             return None
         self.step += 1
         for req in carried:
             req.inflight += 1
         batch = m.ForwardBatch(step=self.step, rows=rows, input_lens=lens, start_pos=starts,
                                future=future, sample=sample, input_ids=pack_ids(ids),
-                               admit_rows=admit_rows, admit_params=admit_params)
+                               admit_rows=admit_rows, admit_params=admit_params,
+                               release_rows=self._released_rows)
+        self._released_rows = []
         self.in_flight.append((batch, carried))
         return batch
 
@@ -163,10 +196,54 @@ class Scheduler:
                 reason = self._stop_reason(req, token)
                 if reason:
                     self._finish(req, reason)
-            self._release_if_idle(req)
+            if req.inflight == 0:
+                self._settle(req)
         return self.take()
 
-    # -- helpers -----------------------------------------------------------------------------
+    # -- admission and memory ----------------------------------------------------------------
+
+    def _prefill_chunk(self, req: Request, budget: int, add_row, ids: list[int]) -> int:
+        n = min(len(req.fill) - req.filled, budget)
+        if n <= 0:
+            return 0
+        last = req.filled + n == len(req.fill)
+        add_row(req, n, req.filled, False, last)
+        ids.extend(req.fill[req.filled:req.filled + n])
+        req.filled += n
+        req.kv_len += n
+        if last:
+            req.sampled += 1
+        return n
+
+    def _decodable(self) -> list[Request]:
+        """Running requests that get a decode row in the next step, after retracting the ones
+        with least progress until every remaining one has a free slot for its next token."""
+        want = [r for r in self.running if self._active(r) and not r.prefilling
+                and r.sampled > 0 and self._wants_more(r)]
+        while len(want) > self.slots.available:
+            victim = min((r for r in self.running if self._active(r)),
+                         key=lambda r: (len(r.output), -r.order))
+            if victim in want:
+                want.remove(victim)
+            others = any(r is not victim and r.slots for r in self.requests.values())
+            if not others:
+                # Alone and still out of memory: the server's KV capacity is this request's
+                # length limit. Retracting it could never help.
+                self._finish(victim, "length")
+            else:
+                victim.retracting = True
+            if victim.inflight == 0:
+                self._settle(victim)
+        return want
+
+    def _active(self, req: Request) -> bool:
+        return req.state == RUNNING and not req.aborted and not req.retracting
+
+    def _left(self, req: Request) -> int:
+        return req.params.max_new_tokens - len(req.output)
+
+    def _reserve(self, left: int) -> int:
+        return max(0, min(left, self.output_reserve))
 
     def _wants_more(self, req: Request) -> bool:
         return req.sampled < req.params.max_new_tokens and req.kv_len < self.context_length
@@ -181,6 +258,30 @@ class Scheduler:
             return "length"
         return ""
 
+    # -- endings -----------------------------------------------------------------------------
+
+    def _settle(self, req: Request) -> None:
+        """A request no step in flight carries any more: end what was decided for it."""
+        if req.state == RUNNING and req.aborted:
+            self._finish(req, "abort")
+        if req.state == DONE:
+            self._release(req)
+        elif req.retracting:
+            self._requeue(req)
+
+    def _requeue(self, req: Request) -> None:
+        """Give back its memory and recompute it later from prompt + output so far."""
+        self._free_memory(req)
+        self.running.remove(req)
+        req.state, req.retracting = QUEUED, False
+        req.fill = req.prompt + req.output
+        req.filled = req.kv_len = 0
+        req.sampled = len(req.output)
+        req.retractions += 1
+        self.retractions += 1
+        self.queue.appendleft(req)
+        self._out.retracted.append(req.rid)
+
     def _finish(self, req: Request, reason: str, message: str = "") -> None:
         req.state = DONE
         req.finish_reason = reason
@@ -190,19 +291,22 @@ class Scheduler:
             rid=req.rid, reason=reason, prompt_tokens=len(req.prompt),
             completion_tokens=len(req.output), message=message))
 
-    def _release_if_idle(self, req: Request) -> None:
-        if req.state == DONE and req.inflight == 0:
-            self._release(req)
-
     def _release(self, req: Request) -> None:
-        if req.row:
-            self.rows.free(req.row)
-            req.row = 0
+        self._free_memory(req)
         self.requests.pop(req.rid, None)
 
-    def _reject(self, rid: str, prompt_len: int, message: str) -> Outputs:
+    def _free_memory(self, req: Request) -> None:
+        if req.slots:
+            self.slots.free(req.slots)
+            req.slots = []
+        if req.row:
+            self.rows.free(req.row)
+            self._released_rows.append(req.row)
+            req.row = 0
+
+    def _reject(self, rid: str, prompt_len: int, message: str, code: int = 400) -> Outputs:
         self._out.finished.append(m.Finish(rid=rid, reason="error", prompt_tokens=prompt_len,
-                                           completion_tokens=0, message=message, code=400))
+                                           completion_tokens=0, message=message, code=code))
         return self.take()
 
     def take(self) -> Outputs:
@@ -214,5 +318,6 @@ class Scheduler:
         return not self.queue and not self.running and not self.in_flight
 
     def leaks(self) -> dict[str, list]:
-        """When idle, every row is free and no request is held: anything else is a leak."""
-        return {"rows": self.rows.leaked(), "requests": sorted(self.requests)}
+        """When idle, every row and slot is free and no request is held: else it leaked."""
+        return {"rows": self.rows.leaked(), "slots": self.slots.leaked(),
+                "requests": sorted(self.requests)}

@@ -37,3 +37,42 @@ class RowPool:
     def leaked(self) -> list[int]:
         """Rows not on the free list: called when the scheduler believes it is idle."""
         return sorted(self._owned)
+
+
+class SlotPool:
+    """KV slots, token granular: the scheduler's account of the runner's KV memory. A request
+    holds one slot per token whose KV a built step writes; slots come back only when no step in
+    flight can still write them."""
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self._free = list(range(capacity - 1, -1, -1))
+        self._owned: set[int] = set()
+
+    @property
+    def available(self) -> int:
+        return len(self._free)
+
+    def alloc(self, n: int) -> list[int]:
+        if n > len(self._free):
+            raise AssertionError(f"{n} slots asked, {len(self._free)} free")
+        if n == 0:
+            return []
+        got = self._free[-n:]
+        del self._free[-n:]
+        self._owned.update(got)
+        return got
+
+    def free(self, slots: list[int]) -> None:
+        for s in slots:
+            if s not in self._owned:
+                raise AssertionError(f"slot {s} freed but not owned")
+            self._owned.remove(s)
+        self._free.extend(slots)
+
+    @property
+    def owned(self) -> frozenset[int]:
+        return frozenset(self._owned)
+
+    def leaked(self) -> list[int]:
+        return sorted(self._owned)

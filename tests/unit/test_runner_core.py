@@ -2,6 +2,8 @@
 requests joining and leaving the batch at different steps still get mlx-lm's greedy tokens,
 for the dense (qwen3) and the hybrid (qwen3_5) model."""
 
+from collections import deque
+
 import pytest
 
 from actors.model_runner.builtin import ensure_builtin
@@ -22,39 +24,69 @@ def setup(request, model_cache):
     return path, oracle, read_model_info(path)
 
 
-def run(path, info, arrivals, max_rows=3):
-    """arrivals: step -> [(rid, ids, max_new)]. Returns rid -> tokens."""
-    sched = Scheduler(max_running=max_rows, max_prefill_tokens=64,
-                      context_length=info.context_length, eos_ids=info.eos_ids)
+def run(path, info, arrivals, max_rows=3, depth=1, kv_slots=1 << 16, chunk=16, reserve=64):
+    """arrivals: step -> [(rid, ids, max_new)]. depth 2 plays the overlap loop: step N+1 is
+    built before step N's result is processed. Returns (rid -> tokens, scheduler)."""
+    sched = Scheduler(max_running=max_rows, chunked_prefill_size=chunk, kv_slots=kv_slots,
+                      context_length=info.context_length, eos_ids=info.eos_ids,
+                      output_reserve=reserve)
     runner = ModelRunner(load_model(path), max_rows)
-    tokens, finished = {}, {}
-    for step in range(500):
-        for rid, ids, n in arrivals.get(step, []):
+    tokens, finished, results = {}, {}, deque()
+    for tick in range(2000):
+        for rid, ids, n in arrivals.get(tick, []):
             sched.add(rid, ids, m.SamplingParams(max_new_tokens=n))
-        batch = sched.schedule()
-        if batch is None and sched.idle and step > max(arrivals):
-            break
-        if batch is not None:
-            out = sched.on_result(runner.step(batch))
-            for rid, toks in out.tokens.items():
-                tokens.setdefault(rid, []).extend(toks)
-            finished.update({f.rid: f for f in out.finished})
-    assert sched.leaks() == {"rows": [], "requests": []}
+        while len(sched.in_flight) < depth and (batch := sched.schedule()) is not None:
+            results.append(runner.step(batch))
+        if not results:
+            if sched.idle and tick > max(arrivals):
+                break
+            continue
+        out = sched.on_result(results.popleft())
+        for rid, toks in out.tokens.items():
+            tokens.setdefault(rid, []).extend(toks)
+        for fin in out.finished:
+            assert fin.rid not in finished
+            finished[fin.rid] = fin
+    assert sched.leaks() == {"rows": [], "slots": [], "requests": []}
     assert set(finished) == {rid for reqs in arrivals.values() for rid, _, _ in reqs}
-    return tokens
+    return tokens, sched
 
 
-def test_staggered_batch_matches_mlx_lm(setup):
-    path, oracle, info = setup
-    ids = [oracle.tokenizer.encode(p) for p in PROMPTS]
-    # Five requests through three rows, arriving at different steps, with different lengths:
-    # rows are reused and the batched cache is filtered and extended many times.
-    arrivals = {0: [("a", ids[0], 12), ("b", ids[1], 5)], 3: [("c", ids[2], 9)],
-                4: [("d", ids[3], 7)], 6: [("e", ids[4], 10)]}
-    got = run(path, info, arrivals)
+def _check_all(oracle, arrivals, got):
     for reqs in arrivals.values():
         for rid, prompt, n in reqs:
             oracle.check(prompt, got[rid], oracle.greedy(prompt, n))
+
+
+def _arrivals(oracle):
+    ids = [oracle.tokenizer.encode(p) for p in PROMPTS]
+    # Five requests through three rows, arriving at different steps, with different lengths:
+    # rows are reused and the batched cache is filtered and extended many times; the long
+    # prompt is prefilled in chunks of 16 beside running decodes.
+    return {0: [("a", ids[0], 12), ("b", ids[1], 5)], 3: [("c", ids[2], 9)],
+            4: [("d", ids[3], 7)], 6: [("e", ids[4], 10)]}
+
+
+@pytest.mark.parametrize("depth", [1, 2], ids=["plain", "overlap"])
+def test_staggered_chunked_batch_matches_mlx_lm(setup, depth):
+    path, oracle, info = setup
+    arrivals = _arrivals(oracle)
+    got, _ = run(path, info, arrivals, depth=depth)
+    _check_all(oracle, arrivals, got)
+
+
+@pytest.mark.parametrize("depth", [1, 2], ids=["plain", "overlap"])
+def test_retraction_under_a_tiny_kv_budget_keeps_tokens_identical(setup, depth):
+    path, oracle, info = setup
+    ids = [oracle.tokenizer.encode(p * 8)[:20] for p in PROMPTS]
+    # Three requests of 20 + 30 tokens in 100 slots, and no output reserve: all are admitted
+    # and then run out of slots while decoding, so the least advanced ones are retracted and
+    # recomputed later from prompt + output.
+    arrivals = {0: [("a", ids[0], 30), ("b", ids[1], 30), ("c", ids[2], 30)],
+                5: [("d", ids[3], 30)]}
+    got, sched = run(path, info, arrivals, depth=depth, kv_slots=100, reserve=0)
+    assert sched.retractions > 0, "the budget was meant to force retraction"
+    _check_all(oracle, arrivals, got)
 
 
 def test_a_decode_row_that_was_never_prefilled_is_refused(setup):

@@ -7,9 +7,9 @@ from actors.scheduler.core import Scheduler
 EOS = 99
 
 
-def make_scheduler(max_running=4, context_length=64, max_prefill_tokens=64):
-    return Scheduler(max_running=max_running, max_prefill_tokens=max_prefill_tokens,
-                     context_length=context_length, eos_ids=[EOS])
+def make_scheduler(max_running=4, context_length=64, chunk=64, kv_slots=4096, **kw):
+    return Scheduler(max_running=max_running, chunked_prefill_size=chunk, kv_slots=kv_slots,
+                     context_length=context_length, eos_ids=[EOS], **kw)
 
 
 def params(n=5, **kw):
@@ -74,7 +74,7 @@ def test_requests_run_to_length_and_free_everything():
     d.run()
     assert {rid: f.reason for rid, f in d.finished.items()} == {f"r{i}": "length" for i in range(3)}
     assert all(len(d.tokens[f"r{i}"]) == 4 for i in range(3))
-    assert s.idle and s.leaks() == {"rows": [], "requests": []}
+    assert s.idle and s.leaks() == {"rows": [], "slots": [], "requests": []}
     assert s.rows.available == 4
 
 
@@ -111,8 +111,11 @@ def test_new_requests_join_a_running_batch_and_finished_ones_leave():
     mixed = d.step()
     assert mixed.future == [True, False]  # a decodes while b prefills, in one step
     d.run()
-    rows_per_step = [len(b.rows) for b in d.batches]
+    rows_per_step = [len(b.rows) for b in d.batches if b.rows]
     assert max(rows_per_step) == 2 and rows_per_step[-1] == 1
+    # The runner is told to drop what it holds for every freed row.
+    released = [r for b in d.batches for r in b.release_rows]
+    assert sorted(released) == sorted(b.admit_rows[0] for b in d.batches if b.admit_rows)
     assert d.finished["a"].completion_tokens == 6 and d.finished["b"].completion_tokens == 2
 
 
@@ -152,7 +155,7 @@ def test_abort_running_finishes_through_the_next_result():
     d.collect(s.on_result(m.StepResult(step=batch.step, rows=batch.rows, tokens=[7])))
     assert d.finished["a"].reason == "abort"
     assert len(d.tokens["a"]) == before  # the token of the aborted step is not emitted
-    assert s.idle and s.leaks() == {"rows": [], "requests": []}
+    assert s.idle and s.leaks() == {"rows": [], "slots": [], "requests": []}
 
 
 def test_abort_between_steps_ends_at_next_schedule():
@@ -162,7 +165,8 @@ def test_abort_between_steps_ends_at_next_schedule():
     d.step()
     d.collect(s.abort("a"))
     assert "a" not in d.finished
-    assert d.step() is None
+    last = d.step()
+    assert last.rows == [] and last.release_rows == [1]
     assert d.finished["a"].reason == "abort" and s.idle
 
 
@@ -196,15 +200,21 @@ def test_runner_error_ends_the_step_requests_with_error():
     batch = s.schedule()
     d.collect(s.on_result(m.StepResult(step=batch.step, rows=[], tokens=[], error="boom")))
     assert d.finished["a"].reason == "error" and "boom" in d.finished["a"].message
-    assert s.idle and s.leaks() == {"rows": [], "requests": []}
+    assert s.idle and s.leaks() == {"rows": [], "slots": [], "requests": []}
 
 
-def test_prefill_budget_splits_admissions_but_never_starves_a_long_prompt():
-    s = make_scheduler(max_prefill_tokens=4)
+def test_long_prompts_are_chunked_beside_running_decodes():
+    s = make_scheduler(chunk=4)
     d = Driver(s)
-    d.collect(s.add("big", list(range(10)), params(1)))
-    d.collect(s.add("small", [1, 2], params(1)))
-    first = d.step()
-    assert first.input_lens == [10]  # alone, over budget
-    second = d.step()
-    assert second.input_lens == [2]
+    d.collect(s.add("run", [1], params(30)))
+    d.step()
+    d.collect(s.add("big", list(range(10)), params(2)))
+    chunks = [d.step() for _ in range(3)]
+    # Every step decodes "run" and prefills the next chunk of "big": 4 + 4 + 2 tokens.
+    assert [b.future for b in chunks] == [[True, False]] * 3
+    assert [b.input_lens[1] for b in chunks] == [4, 4, 2]
+    assert [b.start_pos[1] for b in chunks] == [0, 4, 8]
+    assert [b.sample[1] for b in chunks] == [False, False, True]
+    assert unpack_ids(chunks[1].input_ids) == [4, 5, 6, 7]
+    d.run()
+    assert d.finished["big"].completion_tokens == 2
