@@ -218,3 +218,32 @@ def test_long_prompts_are_chunked_beside_running_decodes():
     assert unpack_ids(chunks[1].input_ids) == [4, 5, 6, 7]
     d.run()
     assert d.finished["big"].completion_tokens == 2
+
+
+def test_finished_at_step_n_while_in_step_n_plus_1_keeps_its_row_until_that_returns():
+    s = make_scheduler(max_running=2)
+    s.add("x", [1, 2], params(10))
+    s.add("filler", [3], params(10))
+    step1 = s.schedule()  # prefill x and filler
+    step2 = s.schedule()  # overlap: decode both on futures, before step 1's result
+    x_row = step1.rows[0]
+    assert step2.future == [True, True] and x_row in step2.rows
+    out = s.on_result(m.StepResult(step=1, rows=step1.rows, tokens=[5, 6]))
+    assert out.tokens == {"x": [5], "filler": [6]}
+    step3 = s.schedule()  # built before step 2's result: x is in it again
+    assert x_row in step3.rows
+    out = s.on_result(m.StepResult(step=2, rows=step2.rows, tokens=[EOS, 7]))
+    assert out.tokens == {"x": [EOS], "filler": [7]}
+    assert [(f.rid, f.reason) for f in out.finished] == [("x", "stop")]
+    # x finished at step 2 but step 3 still references its row: not free, not reusable.
+    assert x_row in s.rows.owned and s.rows.available == 0
+    s.add("y", [4], params(3))
+    step4 = s.schedule()
+    assert step4.admit_rows == [] and x_row not in step4.release_rows
+    out = s.on_result(m.StepResult(step=3, rows=step3.rows, tokens=[8, 9]))
+    assert "x" not in out.tokens  # x's token from step 3 is dropped
+    assert out.tokens == {"filler": [9]} and out.finished == []
+    assert x_row not in s.rows.owned
+    step5 = s.schedule()
+    assert x_row in step5.release_rows  # the runner drops x's state...
+    assert step5.admit_rows == [x_row]  # ...before y takes the row in the same step
