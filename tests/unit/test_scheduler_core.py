@@ -247,3 +247,35 @@ def test_finished_at_step_n_while_in_step_n_plus_1_keeps_its_row_until_that_retu
     step5 = s.schedule()
     assert x_row in step5.release_rows  # the runner drops x's state...
     assert step5.admit_rows == [x_row]  # ...before y takes the row in the same step
+
+
+def test_abort_mid_chunked_prefill_is_torn_down_at_the_next_pass():
+    s = make_scheduler(chunk=4)
+    s.add("long", list(range(1, 13)), params(5))
+    first = s.schedule()  # chunk 1 of 3
+    second = s.schedule()  # overlap: chunk 2 built before chunk 1 returned
+    assert first.input_lens == [4] and second.start_pos == [4]
+    s.abort("long")
+    third = s.schedule()  # the next pass builds no more chunks for it
+    assert third is None or third.rows == []
+    out = s.on_result(m.StepResult(step=1, rows=[], tokens=[]))
+    assert [(f.rid, f.reason) for f in out.finished] == [("long", "abort")]
+    assert s.rows.owned  # chunk 2 is still in flight: the row and slots stay held
+    out = s.on_result(m.StepResult(step=2, rows=[], tokens=[]))
+    assert out.finished == [] and not s.rows.owned and not s.slots.owned
+    assert s.schedule().release_rows == [first.rows[0]]
+
+
+def test_queue_full_is_refused_at_once_with_503():
+    s = make_scheduler(max_running=1, max_queued=2)
+    outs = [s.add(f"r{i}", [1], params(3)) for i in range(3)]
+    assert [o.finished for o in outs[:2]] == [[], []]
+    assert outs[2].finished[0].reason == "error" and outs[2].finished[0].code == 503
+    assert "queue full" in outs[2].finished[0].message
+
+
+def test_a_prompt_that_can_never_fit_is_refused_at_once():
+    s = make_scheduler(kv_slots=16, output_reserve=4)
+    out = s.add("big", list(range(14)), params(10))
+    assert out.finished[0].code == 400 and "KV slots" in out.finished[0].message
+    assert s.add("ok", list(range(12)), params(10)).finished == []
