@@ -49,11 +49,18 @@ class _Sinks:
 
 def configure_logging(cfg: LogConfig, actor: str) -> None:
     structlog.reset_defaults()
-    structlog.contextvars.clear_contextvars()
-    structlog.contextvars.bind_contextvars(actor=actor, pid=os.getpid())
+    pid = os.getpid()
+
+    def identity(logger: Any, name: str, event: dict[str, Any]) -> dict[str, Any]:
+        # Not contextvars: threads (the runner's MLX thread) do not inherit them.
+        event.setdefault("actor", actor)
+        event.setdefault("pid", pid)
+        return event
+
     structlog.configure(
         processors=[
             structlog.contextvars.merge_contextvars,
+            identity,
             structlog.processors.add_log_level,
             structlog.processors.TimeStamper(fmt="iso", utc=True),
             # Tracebacks as data, never with locals: locals hold prompts.
