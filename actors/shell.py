@@ -37,6 +37,7 @@ class ModelInfo(msgspec.Struct, frozen=True):
     vocab_size: int
     model_type: str
     kv_bytes_per_token: int = 0  # KV memory one token takes across the attention layers
+    state_layers: int = 0  # linear-attention layers (hybrid models) keeping a recurrent state
 
 
 class Shell:

@@ -53,6 +53,12 @@ class Supervisor:
         self.exit_code = 0
 
     async def run(self) -> int:
+        loop = asyncio.get_running_loop()
+        self.stop: asyncio.Future[tuple[str, bool]] = loop.create_future()
+        # For the launcher's whole life: a signal during startup or shutdown must not raise
+        # KeyboardInterrupt half way (children would be left to be joined forever).
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, self._on_signal, sig)
         inbox = pull_socket(self.zctx, self.addrs.launcher)
         try:
             self._spawn()
@@ -70,6 +76,19 @@ class Supervisor:
             self.zctx.destroy(linger=0)
             shutil.rmtree(self.addrs.ipc_dir, ignore_errors=True)
         return self.exit_code
+
+    def _stop_once(self, reason: str, drain: bool) -> None:
+        if not self.stop.done():
+            self.stop.set_result((reason, drain))
+
+    def _on_signal(self, sig: int) -> None:
+        if not self.stop.done():
+            self._stop_once(signal.Signals(sig).name, True)
+        else:  # a second signal while shutting down: stop waiting, kill the children
+            self.log.warning("launch.hurry", signal=signal.Signals(sig).name)
+            for proc in self.procs.values():
+                if proc.is_alive():
+                    proc.kill()
 
     def _spawn(self) -> None:
         ctx = mp.get_context("spawn")
@@ -90,6 +109,8 @@ class Supervisor:
                 if code is not None:
                     raise StartupError(f"actor {name} exited with code {code} before ready")
             left = deadline - time.monotonic()
+            if self.stop.done():
+                raise StartupError(f"interrupted by {self.stop.result()[0]} while starting")
             if left <= 0:
                 names = ", ".join(sorted(pending))
                 raise StartupError(f"actor {names} not ready after "
@@ -107,16 +128,8 @@ class Supervisor:
     async def _watch(self, inbox: zmq.asyncio.Socket) -> tuple[str, bool]:
         """Wait for the first reason to stop: a signal (drain) or a dead actor (no drain)."""
         loop = asyncio.get_running_loop()
-        stop: asyncio.Future[tuple[str, bool]] = loop.create_future()
-
-        def once(reason: str, drain: bool) -> None:
-            if not stop.done():
-                stop.set_result((reason, drain))
-
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, once, signal.Signals(sig).name, True)
         for name, proc in self.procs.items():
-            loop.add_reader(proc.sentinel, lambda n=name: self._died(n, once))
+            loop.add_reader(proc.sentinel, lambda n=name: self._died(n))
         dec = decoder(m.LauncherInbox)
 
         async def failures() -> None:
@@ -127,20 +140,18 @@ class Supervisor:
 
         watcher = asyncio.ensure_future(failures())
         try:
-            return await stop
+            return await self.stop
         finally:
             watcher.cancel()
             for proc in self.procs.values():
                 loop.remove_reader(proc.sentinel)
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                loop.remove_signal_handler(sig)
 
-    def _died(self, name: str, once: Callable[[str, bool], None]) -> None:
+    def _died(self, name: str) -> None:
         proc = self.procs[name]
         proc.join(0)
         self.exit_code = 1
         self.log.error("actor.died", name=name, exit_code=proc.exitcode)
-        once(f"actor {name} died (exit code {proc.exitcode})", False)
+        self._stop_once(f"actor {name} died (exit code {proc.exitcode})", False)
 
     async def _shutdown(self, reason: str, drain: bool) -> None:
         self.log.info("launch.shutdown", reason=reason, drain=drain)

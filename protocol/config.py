@@ -58,6 +58,14 @@ class MemoryConfig(Section):
     # KV capacity in tokens (slots); 0 derives it from kv_fraction of physical memory.
     kv_tokens: Annotated[int, Meta(ge=0)] = 0
     kv_fraction: Annotated[float, Meta(gt=0, le=0.9)] = 0.25
+    # Recurrent-state slots for hybrid models (live requests + prefix snapshots); 0: four per
+    # running request.
+    state_slots: Annotated[int, Meta(ge=0)] = 0
+
+
+class CacheConfig(Section):
+    # Radix prefix cache: a prompt that starts with a cached prefix skips recomputing it.
+    prefix: bool = True
 
 
 class LogConfig(Section):
@@ -81,6 +89,7 @@ class Config(Section):
     server: ServerConfig = ServerConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
     memory: MemoryConfig = MemoryConfig()
+    cache: CacheConfig = CacheConfig()
     log: LogConfig = LogConfig()
     launch: LaunchConfig = LaunchConfig()
 

@@ -142,6 +142,23 @@ class Shutdown(Wire, tag=_tag("Shutdown")):
     drain: bool = False
 
 
+# Deferred memory ops, decided by the scheduler, applied by the runner at the start of the
+# forward they ride with, in list order (DESIGN section 5).
+OP_CLEAR = 0  # state slot `dst` starts from zeros (a request with no usable prefix)
+OP_COPY = 1  # state `src` -> `dst`: a prefix hit copies the node's snapshot (the node keeps it)
+OP_SNAPSHOT = 2  # live state `src` -> node slot `dst`, at a chunk boundary
+OP_KV_SAVE = 3  # row `dst`'s KV at positions [start, start + n) -> the n pool `slots`
+OP_KV_LOAD = 4  # row `dst` starts a new prompt whose first n positions are pool `slots`
+
+
+class Op(Plain):
+    kind: int
+    src: int = 0
+    dst: int = 0
+    start: int = 0
+    slots: bytes = b""  # int32 KV slot ids (KV ops)
+
+
 class ForwardBatch(Wire, tag=_tag("ForwardBatch")):
     """One step for the runner. Per row (columnar): the request-pool row, how many new input
     tokens it brings, the position of the first one, whether its input is a future (the token
@@ -160,6 +177,8 @@ class ForwardBatch(Wire, tag=_tag("ForwardBatch")):
     # Rows the scheduler released since the last step (no step in flight references them):
     # the runner drops whatever it holds for them before running this step.
     release_rows: list[int] = []
+    ops: list[Op] = []
+    admit_states: list[int] = []  # hybrid models: each admitted row's live state slot
 
 
 class StepResult(Wire, tag=_tag("StepResult")):

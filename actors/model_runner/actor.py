@@ -13,6 +13,7 @@ import traceback
 from actors.model_runner.loading import load_model
 from actors.model_runner.runner import ModelRunner
 from actors.shell import Shell, run_actor
+from actors.sizing import kv_capacity, state_capacity
 from protocol import messages as m
 
 _STOP = object()
@@ -25,10 +26,15 @@ class MlxThread(threading.Thread):
         self.inbox: queue.Queue = queue.Queue()
         self.loaded = loop.create_future()
 
+    def _runner(self, model) -> ModelRunner:
+        cfg, info = self.shell.cfg, self.shell.model
+        return ModelRunner(model, cfg.scheduler.max_running_requests,
+                           kv_slots=kv_capacity(cfg, info), state_slots=state_capacity(cfg, info))
+
     def run(self) -> None:
         try:
             model = load_model(self.shell.model.path)
-            runner = ModelRunner(model, self.shell.cfg.scheduler.max_running_requests)
+            runner = self._runner(model)
         except Exception as e:
             self.loop.call_soon_threadsafe(self.loaded.set_exception, e)
             return
@@ -50,7 +56,7 @@ class MlxThread(threading.Thread):
                 # scheduler end the requests of this step with an error.
                 self.log.error("step.error", step=batch.step, error=repr(e),
                                traceback=traceback.format_exc())
-                runner = ModelRunner(model, self.shell.cfg.scheduler.max_running_requests)
+                runner = self._runner(model)
                 result = m.StepResult(step=batch.step, rows=[], tokens=[], error=repr(e))
             self.loop.call_soon_threadsafe(self.shell.send_now, "scheduler", result)
             stats.step(time.perf_counter() - started, len(result.tokens))

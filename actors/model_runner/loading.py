@@ -54,7 +54,13 @@ def read_model_info(path: str, name: str = "", context_length: int = 0) -> Model
                      context_length=context_length or int(max_pos),
                      eos_ids=sorted(set(eos)), vocab_size=int(vocab),
                      model_type=config.get("model_type", ""),
-                     kv_bytes_per_token=_kv_bytes_per_token(get))
+                     kv_bytes_per_token=_kv_bytes_per_token(get),
+                     state_layers=_state_layers(get))
+
+
+def _state_layers(get) -> int:
+    layers, interval = int(get("num_hidden_layers", 0)), get("full_attention_interval")
+    return sum(1 for i in range(layers) if (i + 1) % int(interval) != 0) if interval else 0
 
 
 _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}

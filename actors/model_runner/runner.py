@@ -1,11 +1,15 @@
 """The model runner's core: one ForwardBatch in, one StepResult out. Runs on the MLX thread.
 
-Memory layout (the runner's own business; the scheduler only sees row ids):
+Memory (the scheduler only sees row ids, KV slot ids and state slot ids):
 - `token_buf[row]`: the token each request-pool row sampled last. A future input resolves here.
-- A prefilling row keeps its own per-layer mlx-lm caches until its last prompt chunk runs.
-- Rows that decode share one batched cache per layer (mlx-lm's BatchKVCache / ArraysCache, left
-  padded), so a decode step is a single forward of shape [rows, 1]. The decode working set is
-  exactly the step's future rows: a row the scheduler stopped listing is dropped from it.
+- Working copies: a prefilling row keeps its own per-layer mlx-lm caches until its last prompt
+  chunk runs; rows that decode share one batched cache per layer (BatchKVCache / ArraysCache,
+  left padded), so a decode step is one forward of shape [rows, 1].
+- Storage of record (memory.py): the KV pool by KV slot, the state pool by state slot.
+
+Per step, in this order: the batch's ops (DESIGN section 5), released rows, admissions, the
+decode forward, the prefill chunks, then the recurrent state of every row that ran is written
+through to its state slot.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from protocol import messages as m
 from protocol.codec import unpack_ids
+from actors.model_runner.memory import ATTENTION, LINEAR, KvPool, StatePool, layer_kinds
 from actors.model_runner.sampling import sample_tokens
 
 
@@ -27,19 +32,41 @@ class StepError(RuntimeError):
 
 
 class ModelRunner:
-    def __init__(self, model: nn.Module, max_rows: int):
+    def __init__(self, model: nn.Module, max_rows: int, kv_slots: int = 0, state_slots: int = 0):
         self.model = model
+        kinds = layer_kinds(model)
+        self.attention = [i for i, k in enumerate(kinds) if k == ATTENTION]
+        self.linear = [i for i, k in enumerate(kinds) if k == LINEAR]
+        self.kv_pool = KvPool(self.attention, kv_slots) if kv_slots else None
+        self.states = (StatePool(self._state_shapes(), state_slots)
+                       if self.linear and state_slots else None)
         self.token_buf = mx.zeros((max_rows + 1,), dtype=mx.int32)  # row 0 is padding
         self.temperature = [0.0] * (max_rows + 1)
+        self.row_state: dict[int, int] = {}  # row -> its live state slot
         self.prefilling: dict[int, list[Any]] = {}  # row -> per-layer caches, mid-prompt
+        self.pending_load: dict[int, list[int]] = {}  # row -> KV slots of its cached prefix
         self.decode_rows: list[int] = []  # row order of the batched cache
         self.decode_cache: list[Any] | None = None
+        # Rows that stopped decoding but are not released yet (finished while a step was in
+        # flight, or being retracted): their KV may still be saved for the prefix cache.
+        self.parked: dict[int, list[Any]] = {}
+
+    def _state_shapes(self) -> dict[int, list[tuple[tuple[int, ...], Any]]]:
+        """One probe token through a fresh cache tells the shape of each linear layer's state."""
+        cache = make_prompt_cache(self.model)
+        mx.eval(self.model(mx.array([[0]]), cache=cache))
+        return {i: [(a.shape[1:], a.dtype) for a in cache[i].cache] for i in self.linear}
 
     def step(self, batch: m.ForwardBatch) -> m.StepResult:
         t0 = time.perf_counter()
+        for op in batch.ops:
+            self._apply(op)
         self._release(batch.release_rows)
-        for row, params in zip(batch.admit_rows, batch.admit_params):
+        states = batch.admit_states or [-1] * len(batch.admit_rows)
+        for row, params, state in zip(batch.admit_rows, batch.admit_params, states):
             self.temperature[row] = params.temperature
+            if state >= 0:
+                self.row_state[row] = state
         self._keep_decoding([r for r, f in zip(batch.rows, batch.future) if f])
 
         sampled: dict[int, mx.array] = {}
@@ -66,27 +93,71 @@ class ModelRunner:
         return m.StepResult(step=batch.step, rows=out_rows, tokens=token_list,
                             forward_s=time.perf_counter() - t0)
 
+    # -- ops -----------------------------------------------------------------------------------
+
+    def _apply(self, op: m.Op) -> None:
+        if op.kind == m.OP_CLEAR:
+            self._need(self.states, "state").clear(op.dst)
+        elif op.kind in (m.OP_COPY, m.OP_SNAPSHOT):
+            self._need(self.states, "state").copy(op.src, op.dst)
+        elif op.kind == m.OP_KV_SAVE:
+            self._save_kv(op.dst, op.start, unpack_ids(op.slots))
+        elif op.kind == m.OP_KV_LOAD:
+            # Used when the row's first chunk runs in this step: the row may first be released
+            # from its previous request below.
+            self.pending_load[op.dst] = unpack_ids(op.slots)
+        else:
+            raise StepError(f"unknown op kind {op.kind}")
+
+    def _need(self, pool: Any, what: str) -> Any:
+        if pool is None:
+            raise StepError(f"a {what} op, but this runner has no {what} pool")
+        return pool
+
+    def _save_kv(self, row: int, start: int, slots: list[int]) -> None:
+        pool = self._need(self.kv_pool, "KV")
+        end = start + len(slots)
+        if row in self.prefilling or row in self.parked:
+            caches, index, pad = self.prefilling.get(row) or self.parked[row], 0, 0
+        elif row in self.decode_rows:
+            caches, index = self.decode_cache, self.decode_rows.index(row)
+            pad = int(caches[self.attention[0]].left_padding[index].item())
+        else:
+            raise StepError(f"KV save for row {row}, which holds no KV")
+        for layer in self.attention:
+            c = caches[layer]
+            keys = c.keys[index, :, pad + start:pad + end, :].transpose(1, 0, 2)
+            values = c.values[index, :, pad + start:pad + end, :].transpose(1, 0, 2)
+            pool.save(layer, slots, keys, values)
+
     def _release(self, rows: list[int]) -> None:
-        """The scheduler freed these rows: drop their prompt caches and decode state."""
+        """The scheduler freed these rows: drop their caches and decode state."""
         for row in rows:
             self.prefilling.pop(row, None)
+            self.parked.pop(row, None)
+            self.row_state.pop(row, None)
         gone = set(rows) & set(self.decode_rows)
         if gone:
-            self._keep_decoding([r for r in self.decode_rows if r not in gone])
+            self._keep_decoding([r for r in self.decode_rows if r not in gone], park=False)
 
     # -- decode --------------------------------------------------------------------------------
 
-    def _keep_decoding(self, rows: list[int]) -> None:
-        """Shrink the batched cache to the rows this step decodes."""
+    def _keep_decoding(self, rows: list[int], park: bool = True) -> None:
+        """Shrink the batched cache to the rows this step decodes; the others are parked
+        (released rows are simply dropped)."""
         missing = set(rows) - set(self.decode_rows)
         if missing:
             raise StepError(f"rows {sorted(missing)} decode but were never prefilled")
         if set(rows) == set(self.decode_rows):
             return
+        wanted = set(rows)
+        if park:
+            for i, r in enumerate(self.decode_rows):
+                if r not in wanted:
+                    self.parked[r] = [c.extract(i) for c in self.decode_cache]
         if not rows:
             self.decode_rows, self.decode_cache = [], None
             return
-        wanted = set(rows)
         keep = [i for i, r in enumerate(self.decode_rows) if r in wanted]
         index = mx.array(keep)
         for c in self.decode_cache:
@@ -97,6 +168,7 @@ class ModelRunner:
         rows = mx.array(self.decode_rows)
         inputs = self.token_buf[rows][:, None]
         logits = self.model(inputs, cache=self.decode_cache)[:, -1, :]
+        self._write_states(self.decode_rows, self.decode_cache)
         temps = [self.temperature[r] for r in self.decode_rows]
         tokens = sample_tokens(logits, temps)
         return {r: tokens[i] for i, r in enumerate(self.decode_rows)}
@@ -104,12 +176,14 @@ class ModelRunner:
     # -- prefill -------------------------------------------------------------------------------
 
     def _prefill(self, row: int, ids: list[int], start: int, sample: bool) -> mx.array | None:
-        if start == 0:
-            self.prefilling[row] = make_prompt_cache(self.model)
         cache = self.prefilling.get(row)
-        if cache is None:
-            raise StepError(f"row {row}: prompt chunk at {start} without its earlier chunks")
+        if cache is None or start == 0:
+            cache = self._new_prompt_cache(row, start)
+        if cache[self.attention[0]].offset != start if self.attention else False:
+            raise StepError(f"row {row}: prompt chunk at {start}, cache holds "
+                            f"{cache[self.attention[0]].offset}")
         logits = self.model(mx.array(ids)[None], cache=cache)
+        self._write_states([row], cache)
         if not sample:
             mx.eval([c.state for c in cache])
             return None
@@ -117,6 +191,38 @@ class ModelRunner:
         del self.prefilling[row]
         self._join_decode(row, cache)
         return token
+
+    def _new_prompt_cache(self, row: int, start: int) -> list[Any]:
+        """Fresh caches for a new prompt: the cached prefix's KV from the pool (if the scheduler
+        found one) and the recurrent state from the row's state slot (cleared or copied)."""
+        slots = self.pending_load.pop(row, [])
+        if len(slots) != start:
+            raise StepError(f"row {row}: prompt starts at {start} with {len(slots)} cached slots")
+        cache = make_prompt_cache(self.model)
+        if slots:
+            pool = self._need(self.kv_pool, "KV")
+            for layer in self.attention:
+                keys, values = pool.load(layer, slots)
+                c = cache[layer]
+                c.keys = keys.transpose(1, 0, 2)[None]
+                c.values = values.transpose(1, 0, 2)[None]
+                c.offset = len(slots)
+        if self.states is not None and row in self.row_state:
+            for layer in self.linear:
+                cache[layer].cache = self.states.read(layer, [self.row_state[row]])
+        self.prefilling[row] = cache
+        return cache
+
+    def _write_states(self, rows: list[int], caches: list[Any]) -> None:
+        """Write the recurrent state through to the rows' state slots, so a snapshot, a copy
+        or a donation the scheduler orders later sees exactly the state after this step."""
+        if self.states is None:
+            return
+        slots = [self.row_state[r] for r in rows if r in self.row_state]
+        if len(slots) != len(rows):
+            return  # rows without a state slot (prefix caching off): nothing to keep
+        for layer in self.linear:
+            self.states.write(layer, slots, caches[layer].cache)
 
     def _join_decode(self, row: int, cache: list[Any]) -> None:
         merged = [type(c).merge([c]) for c in cache]

@@ -8,24 +8,13 @@ N+2 while it does. Without overlap, one step at a time.
 
 from __future__ import annotations
 
-import os
 import time
 
 from actors.scheduler.core import Outputs, Scheduler
 from actors.shell import Shell, run_actor
+from actors.sizing import kv_capacity, state_capacity
 from protocol import messages as m
 from protocol.codec import unpack_ids
-
-
-def kv_capacity(shell: Shell) -> int:
-    """KV slots: configured, or a fraction of physical memory over one token's KV bytes."""
-    mem = shell.cfg.memory
-    if mem.kv_tokens:
-        return mem.kv_tokens
-    physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    per_token = max(1, shell.model.kv_bytes_per_token)
-    ceiling = shell.cfg.scheduler.max_running_requests * shell.model.context_length
-    return max(1, min(int(physical * mem.kv_fraction) // per_token, ceiling))
 
 
 class SchedulerActor:
@@ -37,16 +26,23 @@ class SchedulerActor:
                               context_length=shell.model.context_length,
                               eos_ids=shell.model.eos_ids,
                               chunked_prefill_size=cfg.chunked_prefill_size,
-                              kv_slots=kv_capacity(shell),
+                              kv_slots=kv_capacity(shell.cfg, shell.model),
+                              state_slots=state_capacity(shell.cfg, shell.model),
+                              prefix_cache=shell.cfg.cache.prefix,
                               max_queued=cfg.max_queued_requests,
                               output_reserve=cfg.output_reserve_tokens)
         self.inbox = shell.bind_inbox(m.SchedulerInbox)
         self.arrival: dict[str, float] = {}
         self.was_idle = True
+        self.stats_at, self.last_stats = time.monotonic(), self.core.memory.stats()
+        self.admitted_tokens = self.interval_hits = 0
 
     async def serve(self) -> None:
-        self.log.info("scheduler.config", overlap=self.depth == 2, kv_slots=self.core.slots.capacity,
-                      rows=self.core.rows.size, chunked_prefill_size=self.core.chunk)
+        mem = self.core.memory
+        self.log.info("scheduler.config", overlap=self.depth == 2, kv_slots=mem.slots.capacity,
+                      state_slots=mem.states.capacity if mem.states else 0,
+                      prefix_cache=mem.tree is not None, rows=self.core.rows.size,
+                      chunked_prefill_size=self.core.chunk)
         await self.shell.ready()
         while True:
             out = Outputs()
@@ -75,6 +71,7 @@ class SchedulerActor:
             if out:
                 await self.shell.send("detokenizer", out.to_batch())
             self._log_outputs(out)
+            self._log_cache()
             self._check_idle()
 
     def _log_admissions(self, batch: m.ForwardBatch) -> None:
@@ -83,8 +80,13 @@ class SchedulerActor:
             if req.row in admitted:
                 wait = time.monotonic() - self.arrival.get(req.rid, time.monotonic())
                 self.log.info("request.admitted", rid=req.rid, row=req.row,
-                              prompt_tokens=len(req.fill), queue_s=round(wait, 6),
-                              step=batch.step, retractions=req.retractions)
+                              prompt_tokens=len(req.fill), cached_tokens=req.tree_len,
+                              queue_s=round(wait, 6), step=batch.step,
+                              retractions=req.retractions)
+                self.admitted_tokens += len(req.fill)
+                if req.tree_len:
+                    self.log.info("cache.hit", rid=req.rid, cached_tokens=req.tree_len,
+                                  prompt_tokens=len(req.fill))
         for row, n, start, fut, smp in zip(batch.rows, batch.input_lens, batch.start_pos,
                                            batch.future, batch.sample):
             if not fut and not (start == 0 and smp):
@@ -100,6 +102,24 @@ class SchedulerActor:
             self.log.info("request.ended", rid=fin.rid, reason=fin.reason,
                           prompt_tokens=fin.prompt_tokens,
                           completion_tokens=fin.completion_tokens)
+
+    def _log_cache(self) -> None:
+        """Inserts and evictions as they happen; the hit rate per stats interval."""
+        now, stats = time.monotonic(), self.core.memory.stats()
+        last = self.last_stats
+        if stats["evicted_tokens"] > last["evicted_tokens"]:
+            self.log.info("cache.evict", tokens=stats["evicted_tokens"] - last["evicted_tokens"],
+                          cached_tokens=stats["cached_tokens"])
+        if stats["inserted_tokens"] > last["inserted_tokens"]:
+            self.log.debug("cache.insert", tokens=stats["inserted_tokens"] - last["inserted_tokens"],
+                           cached_tokens=stats["cached_tokens"])
+        if now - self.stats_at >= self.shell.cfg.log.stats_interval_s and self.admitted_tokens:
+            hits = stats["hit_tokens"] - self.interval_hits
+            self.log.info("cache.stats", hit_rate=round(hits / self.admitted_tokens, 4),
+                          hit_tokens=hits, prompt_tokens=self.admitted_tokens,
+                          cached_tokens=stats["cached_tokens"], free_slots=stats["free_slots"])
+            self.stats_at, self.admitted_tokens, self.interval_hits = now, 0, stats["hit_tokens"]
+        self.last_stats = stats
 
     def _check_idle(self) -> None:
         """Idle: every row and slot must be back on its free list; else log the leaked ids."""

@@ -17,7 +17,8 @@ from itertools import count
 
 from protocol import messages as m
 from protocol.codec import pack_ids
-from actors.scheduler.pools import RowPool, SlotPool
+from actors.scheduler.memory import Memory
+from actors.scheduler.pools import RowPool
 
 QUEUED, RUNNING, DONE = "queued", "running", "done"
 
@@ -28,9 +29,13 @@ class Request:
     prompt: list[int]
     params: m.SamplingParams
     order: int  # arrival order: FIFO admission, newest retracted first
-    state: str = QUEUED
+    phase: str = QUEUED
     row: int = 0
-    slots: list[int] = field(default_factory=list)
+    slots: list[int] = field(default_factory=list)  # KV slot per position, [:tree_len] cached
+    tree_len: int = 0
+    lock: object = None  # the radix node this request holds locked
+    state: int = -1  # live recurrent-state slot (hybrid models)
+    cached: int = 0  # prompt tokens reused from the prefix cache at admission
     output: list[int] = field(default_factory=list)
     fill: list[int] = field(default_factory=list)  # what admission prefills: prompt (+ output)
     filled: int = 0  # tokens of `fill` that built steps prefill
@@ -75,9 +80,11 @@ class Outputs:
 class Scheduler:
     def __init__(self, *, max_running: int, context_length: int, eos_ids: list[int],
                  chunked_prefill_size: int = 512, kv_slots: int = 1 << 20,
-                 max_queued: int = 1 << 16, output_reserve: int = 64):
+                 max_queued: int = 1 << 16, output_reserve: int = 64, state_slots: int = 0,
+                 prefix_cache: bool = False):
         self.rows = RowPool(max_running)
-        self.slots = SlotPool(kv_slots)
+        self.memory = Memory(kv_slots, state_slots, prefix_cache)
+        self.slots = self.memory.slots
         self.chunk = chunked_prefill_size
         self.context_length = context_length
         self.eos_ids = frozenset(eos_ids)
@@ -116,9 +123,9 @@ class Scheduler:
 
     def abort(self, rid: str) -> Outputs:
         req = self.requests.get(rid)
-        if req is None or req.state == DONE:
+        if req is None or req.phase == DONE:
             return self.take()  # unknown or already ending: its one reply is on its way
-        if req.state == QUEUED:
+        if req.phase == QUEUED:
             self.queue.remove(req)
             self._finish(req, "abort")
             self._release(req)
@@ -148,22 +155,28 @@ class Scheduler:
             req.kv_len += 1
             req.sampled += 1
 
-        admit_rows, admit_params = [], []
+        admit_rows, admit_params, admit_states = [], [], []
         budget = self.chunk
         for req in [r for r in self.running if r.prefilling and self._active(r)]:
+            # The chunks so far become a cached prefix others can share (hybrid: with a
+            # snapshot of the state after them), in the batch that runs the next chunk.
+            self.memory.cache_prefix(req, req.row, req.filled)
             budget -= self._prefill_chunk(req, budget, add_row, ids)
         while budget > 0 and self.queue and self.rows.available:
             req = self.queue[0]
-            if self.slots.available < len(req.fill) + self._reserve(self._left(req)):
+            row = self.rows.alloc()
+            if not self.memory.admit(req, row, self._reserve(self._left(req))):
+                self.rows.free(row)
                 break  # FIFO: the head waits for memory, nothing overtakes it
             self.queue.popleft()
-            req.row, req.state = self.rows.alloc(), RUNNING
-            req.slots = self.slots.alloc(len(req.fill))
+            req.row, req.phase = row, RUNNING
             self.running.append(req)
-            admit_rows.append(req.row); admit_params.append(req.params)
+            admit_rows.append(row); admit_params.append(req.params)
+            admit_states.append(req.state)
             budget -= self._prefill_chunk(req, budget, add_row, ids)
 
-        if not rows and not self._released_rows:
+        ops = self.memory.take_ops()
+        if not rows and not self._released_rows and not ops:
             return None
         self.step += 1
         for req in carried:
@@ -171,7 +184,8 @@ class Scheduler:
         batch = m.ForwardBatch(step=self.step, rows=rows, input_lens=lens, start_pos=starts,
                                future=future, sample=sample, input_ids=pack_ids(ids),
                                admit_rows=admit_rows, admit_params=admit_params,
-                               release_rows=self._released_rows)
+                               release_rows=self._released_rows, ops=ops,
+                               admit_states=admit_states if self.memory.states else [])
         self._released_rows = []
         self.in_flight.append((batch, carried))
         return batch
@@ -184,7 +198,7 @@ class Scheduler:
         for req, samples in zip(carried, batch.sample):
             req.inflight -= 1
             token = next(tokens) if samples and not result.error else None
-            if req.state == DONE:
+            if req.phase == DONE:
                 pass  # finished at an earlier step while already in this one: drop its token
             elif result.error:
                 self._finish(req, "error", f"model runner failed: {result.error}")
@@ -220,12 +234,13 @@ class Scheduler:
         with least progress until every remaining one has a free slot for its next token."""
         want = [r for r in self.running if self._active(r) and not r.prefilling
                 and r.sampled > 0 and self._wants_more(r)]
-        while len(want) > self.slots.available:
+        while not self.memory.make_room(len(want)):
             victim = min((r for r in self.running if self._active(r)),
                          key=lambda r: (len(r.output), -r.order))
             if victim in want:
                 want.remove(victim)
-            others = any(r is not victim and r.slots for r in self.requests.values())
+            others = any(r is not victim and (r.slots or r.lock is not None)
+                         for r in self.requests.values())
             if not others:
                 # Alone and still out of memory: the server's KV capacity is this request's
                 # length limit. Retracting it could never help.
@@ -237,7 +252,7 @@ class Scheduler:
         return want
 
     def _active(self, req: Request) -> bool:
-        return req.state == RUNNING and not req.aborted and not req.retracting
+        return req.phase == RUNNING and not req.aborted and not req.retracting
 
     def _left(self, req: Request) -> int:
         return req.params.max_new_tokens - len(req.output)
@@ -262,9 +277,9 @@ class Scheduler:
 
     def _settle(self, req: Request) -> None:
         """A request no step in flight carries any more: end what was decided for it."""
-        if req.state == RUNNING and req.aborted:
+        if req.phase == RUNNING and req.aborted:
             self._finish(req, "abort")
-        if req.state == DONE:
+        if req.phase == DONE:
             self._release(req)
         elif req.retracting:
             self._requeue(req)
@@ -273,7 +288,7 @@ class Scheduler:
         """Give back its memory and recompute it later from prompt + output so far."""
         self._free_memory(req)
         self.running.remove(req)
-        req.state, req.retracting = QUEUED, False
+        req.phase, req.retracting = QUEUED, False
         req.fill = req.prompt + req.output
         req.filled = req.kv_len = 0
         req.sampled = len(req.output)
@@ -283,22 +298,21 @@ class Scheduler:
         self._out.retracted.append(req.rid)
 
     def _finish(self, req: Request, reason: str, message: str = "") -> None:
-        req.state = DONE
+        req.phase = DONE
         req.finish_reason = reason
         if req in self.running:
             self.running.remove(req)
         self._out.finished.append(m.Finish(
             rid=req.rid, reason=reason, prompt_tokens=len(req.prompt),
-            completion_tokens=len(req.output), message=message))
+            completion_tokens=len(req.output), cached_tokens=req.cached, message=message))
 
     def _release(self, req: Request) -> None:
         self._free_memory(req)
         self.requests.pop(req.rid, None)
 
     def _free_memory(self, req: Request) -> None:
-        if req.slots:
-            self.slots.free(req.slots)
-            req.slots = []
+        # What it computed stays cached (prefix cache on) unless the runner failed under it.
+        self.memory.release(req, req.row, keep=req.finish_reason != "error")
         if req.row:
             self.rows.free(req.row)
             self._released_rows.append(req.row)
@@ -318,6 +332,7 @@ class Scheduler:
         return not self.queue and not self.running and not self.in_flight
 
     def leaks(self) -> dict[str, list]:
-        """When idle, every row and slot is free and no request is held: else it leaked."""
-        return {"rows": self.rows.leaked(), "slots": self.slots.leaked(),
+        """When idle, every row is free, every KV and state slot is free or held by the prefix
+        cache, no lock is held and no request remains: anything else leaked."""
+        return {"rows": self.rows.leaked(), **self.memory.leaks(),
                 "requests": sorted(self.requests)}

@@ -81,3 +81,30 @@ def test_children_exit_when_the_launcher_is_killed(tiny):
     g.proc.kill()
     g.wait(30)
     assert g.wait_gone(pids, timeout=30) == []
+
+
+def test_sigint_while_starting_stops_everything(tiny):
+    import subprocess
+    import sys
+    import time
+
+    from tests.e2e.graph import ROOT, alive
+
+    proc = subprocess.Popen([sys.executable, "-m", "launch", "--config",
+                             str(ROOT / "configs" / "qwen.toml"), "--set", tiny,
+                             "--set", "server.port=0", "--set", "log.stderr=false"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    children: list[int] = []
+    deadline = time.monotonic() + 30
+    while len(children) < 4 and time.monotonic() < deadline:  # spawned, still loading
+        time.sleep(0.05)
+        children = [int(p) for p in subprocess.run(["pgrep", "-P", str(proc.pid)],
+                                                   capture_output=True, text=True).stdout.split()]
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 1 and "ready" not in out
+    assert "interrupted by SIGINT" in err
+    deadline = time.monotonic() + 20
+    while any(alive(p) for p in children) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert children and not any(alive(p) for p in children)

@@ -25,7 +25,8 @@ MODES = {
     "plain": (["scheduler.overlap=false"], PROMPTS),
     "overlap": (["scheduler.overlap=true"], PROMPTS),
     "overlap-chunked-tight": (["scheduler.overlap=true", "scheduler.chunked_prefill_size=32",
-                               "scheduler.output_reserve_tokens=0", "log.level=debug"], MEDIUM),
+                               "scheduler.output_reserve_tokens=0", "log.level=debug",
+                               "cache.prefix=false"], MEDIUM),
 }
 
 

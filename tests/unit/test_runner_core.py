@@ -24,14 +24,17 @@ def setup(request, model_cache):
     return path, oracle, read_model_info(path)
 
 
-def run(path, info, arrivals, max_rows=3, depth=1, kv_slots=1 << 16, chunk=16, reserve=64):
+def run(path, info, arrivals, max_rows=3, depth=1, kv_slots=1 << 16, chunk=16, reserve=64,
+        prefix=False):
     """arrivals: step -> [(rid, ids, max_new)]. depth 2 plays the overlap loop: step N+1 is
     built before step N's result is processed. Returns (rid -> tokens, scheduler)."""
+    states = 4 * max_rows if info.state_layers else 0
     sched = Scheduler(max_running=max_rows, chunked_prefill_size=chunk, kv_slots=kv_slots,
                       context_length=info.context_length, eos_ids=info.eos_ids,
-                      output_reserve=reserve)
-    runner = ModelRunner(load_model(path), max_rows)
+                      output_reserve=reserve, prefix_cache=prefix, state_slots=states)
+    runner = ModelRunner(load_model(path), max_rows, kv_slots=kv_slots, state_slots=states)
     tokens, finished, results = {}, {}, deque()
+    sched.finished = finished
     for tick in range(2000):
         for rid, ids, n in arrivals.get(tick, []):
             sched.add(rid, ids, m.SamplingParams(max_new_tokens=n))
@@ -47,7 +50,7 @@ def run(path, info, arrivals, max_rows=3, depth=1, kv_slots=1 << 16, chunk=16, r
         for fin in out.finished:
             assert fin.rid not in finished
             finished[fin.rid] = fin
-    assert sched.leaks() == {"rows": [], "slots": [], "requests": []}
+    assert not any(sched.leaks().values()), sched.leaks()
     assert set(finished) == {rid for reqs in arrivals.values() for rid, _, _ in reqs}
     return tokens, sched
 
@@ -96,3 +99,41 @@ def test_a_decode_row_that_was_never_prefilled_is_refused(setup):
                            sample=[True], input_ids=b"")
     with pytest.raises(StepError, match="never prefilled"):
         runner.step(batch)
+
+
+def test_prefix_cache_hits_keep_tokens_identical(setup):
+    """Same prompt twice, a shared system prompt with different user turns, a multi-turn chat
+    that appends to the last turn, concurrent requests sharing a prefix; overlap on, prompts
+    chunked so prefixes are also cached at chunk boundaries (hybrid: with state snapshots)."""
+    path, oracle, info = setup
+    enc = oracle.tokenizer.encode
+    system = enc("You are a helpful assistant. " * 6)
+    turn1 = system + enc(" User: hello there")
+    reply1 = oracle.greedy(turn1, 6)
+    turn2 = turn1 + reply1 + enc(" User: and then?")
+    arrivals = {
+        0: [("same1", enc("The quick brown fox " * 5), 8), ("sys-a", system + enc(" Q: 1+1?"), 6)],
+        14: [("same2", enc("The quick brown fox " * 5), 8), ("sys-b", system + enc(" Q: why?"), 6),
+             ("turn1", turn1, 6)],
+        30: [("turn2", turn2, 6), ("c1", system + enc(" alpha"), 5), ("c2", system + enc(" beta"), 5)],
+    }
+    got, sched = run(path, info, arrivals, depth=2, prefix=True, chunk=16)
+    _check_all(oracle, arrivals, got)
+    cached = {rid: f.cached_tokens for rid, f in sched.finished.items()}
+    assert cached["same1"] == 0 and cached["same2"] > 0
+    assert cached["sys-b"] >= 16 and cached["turn2"] > len(turn1) - 16
+    assert sched.memory.hits >= 4
+
+
+def test_eviction_under_a_small_budget_keeps_tokens_identical(setup):
+    path, oracle, info = setup
+    enc = oracle.tokenizer.encode
+    prompts = [enc(f"Story number {k}: once upon a time " * 4) for k in range(6)]
+    arrivals = {3 * k: [(f"s{k}", p, 6)] for k, p in enumerate(prompts)}
+    arrivals[30] = [("again", prompts[-1], 6)]
+    need = max(len(p) for p in prompts) + 6
+    got, sched = run(path, info, arrivals, max_rows=2, depth=2, prefix=True,
+                     kv_slots=2 * need + 8)
+    _check_all(oracle, arrivals, got)
+    assert sched.memory.evicted_tokens > 0, "the budget was meant to force eviction"
+    assert sched.finished["again"].cached_tokens > 0

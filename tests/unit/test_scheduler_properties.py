@@ -8,6 +8,7 @@ reused across requests shows up as a mismatch."""
 
 from __future__ import annotations
 
+import os
 from collections import deque
 
 from hypothesis import event, given, settings, strategies as st
@@ -20,7 +21,8 @@ EOS = 99
 
 
 def next_token(seq: list[int]) -> int:
-    h = hash((tuple(seq[-3:]), len(seq))) & 0xFFFFFFFF
+    # The whole sequence matters: a wrong token anywhere in a reused prefix shows up.
+    h = hash(tuple(seq)) & 0xFFFFFFFF
     return EOS if h % 23 == 0 else 100 + h % 50
 
 
@@ -37,14 +39,37 @@ def reference(prompt: list[int], params: m.SamplingParams, context: int) -> tupl
 
 
 class FakeRunner:
-    def __init__(self):
+    """Plays the runner's memory contract: working sequences per row, a KV pool by slot (the
+    token at that position), and for hybrid models a state pool by slot (a digest of every
+    token seen), written through after each step. Sampling reads the KV sequence, and in
+    hybrid mode must agree with the state, so a wrong load, save, copy, snapshot or clear
+    changes the tokens."""
+
+    def __init__(self, hybrid: bool):
+        self.hybrid = hybrid
         self.seq: dict[int, list[int]] = {}
         self.buf: dict[int, int] = {}
+        self.kv: dict[int, int] = {}
+        self.states: dict[int, int] = {}
+        self.row_state: dict[int, int] = {}
+        self.pending: dict[int, list[int]] = {}
 
     def step(self, batch: m.ForwardBatch) -> m.StepResult:
+        for op in batch.ops:
+            if op.kind == m.OP_CLEAR:
+                self.states[op.dst] = 0
+            elif op.kind in (m.OP_COPY, m.OP_SNAPSHOT):
+                self.states[op.dst] = self.states[op.src]
+            elif op.kind == m.OP_KV_SAVE:
+                for i, slot in enumerate(unpack_ids(op.slots)):
+                    self.kv[slot] = self.seq[op.dst][op.start + i]
+            elif op.kind == m.OP_KV_LOAD:
+                self.pending[op.dst] = unpack_ids(op.slots)
         for row in batch.release_rows:
-            self.seq.pop(row, None)
-            self.buf.pop(row, None)
+            for d in (self.seq, self.buf, self.row_state):
+                d.pop(row, None)
+        for row, state in zip(batch.admit_rows, batch.admit_states):
+            self.row_state[row] = state
         ids, at, out_rows, tokens = unpack_ids(batch.input_ids), 0, [], []
         for row, n, start, fut, smp in zip(batch.rows, batch.input_lens, batch.start_pos,
                                            batch.future, batch.sample):
@@ -53,10 +78,15 @@ class FakeRunner:
                 chunk = [self.buf[row]]
             else:
                 chunk, at = ids[at:at + n], at + n
-                if start == 0:
-                    self.seq[row] = []
+                if row not in self.seq or start == 0 or row in self.pending:
+                    self.seq[row] = [self.kv[s] for s in self.pending.pop(row, [])]
             assert start == len(self.seq[row]), f"row {row}: position {start}, has {len(self.seq[row])}"
             self.seq[row].extend(chunk)
+            if self.hybrid:
+                slot = self.row_state[row]
+                for tok in chunk:
+                    self.states[slot] = hash((self.states[slot], tok)) & 0xFFFFFFFF
+                assert self.states[slot] == digest(self.seq[row]), f"row {row}: state drifted"
             if smp:
                 self.buf[row] = next_token(self.seq[row])
                 out_rows.append(row)
@@ -64,35 +94,58 @@ class FakeRunner:
         return m.StepResult(step=batch.step, rows=out_rows, tokens=tokens)
 
 
+def digest(seq: list[int]) -> int:
+    state = 0
+    for start in range(len(seq)):
+        state = hash((state, seq[start])) & 0xFFFFFFFF
+    return state
+
+
 def check_invariants(s: Scheduler) -> None:
     live = list(s.requests.values())
     rows = [r.row for r in live if r.row]
     assert len(rows) == len(set(rows)), "a row owned twice"
     assert set(rows) == s.rows.owned
-    slots = [x for r in live for x in r.slots]
-    assert len(slots) == len(set(slots)), "a slot owned twice"
-    assert set(slots) == s.slots.owned
+    own = [x for r in live for x in r.slots[r.tree_len:]]
+    tree = [x for n in s.memory.tree.walk() for x in n.slots] if s.memory.tree else []
+    assert len(own + tree) == len(set(own + tree)), "a slot owned twice"
+    assert set(own + tree) == s.slots.owned
+    for r in live:  # a request's cached prefix is exactly its locked tree path
+        if r.tree_len:
+            assert r.lock is not None and s.memory.tree.path_slots(r.lock) == r.slots[:r.tree_len]
+    if s.memory.states is not None:
+        states = [r.state for r in live if r.state >= 0]
+        held = [n.state for n in s.memory.tree.walk() if n.state is not None] \
+            if s.memory.tree else []
+        assert len(states + held) == len(set(states + held)), "a state slot owned twice"
+        assert set(states + held) == s.memory.states.owned
     for batch, carried in s.in_flight:
         assert set(batch.rows) <= s.rows.owned, "a row referenced in flight is free"
         for req in carried:
             assert req.inflight > 0 and set(req.slots) <= s.slots.owned
 
 
-arrive = st.tuples(st.just("arrive"), st.integers(1, 16), st.integers(1, 16))
+# Prompts are a shared base (so prefixes repeat and the cache hits) plus a suffix.
+BASES = [[7 + (b * 13 + i * 5) % 80 for i in range(24)] for b in range(3)]
+arrive = st.tuples(st.just("arrive"), st.integers(0, 2), st.integers(4, 16), st.integers(1, 5),
+                   st.integers(1, 16))
 ops = st.lists(st.one_of(arrive, arrive, st.tuples(st.just("abort"), st.integers(0, 30)),
-                         st.tuples(st.just("tick"), st.just(0)),
-                         st.tuples(st.just("tick"), st.just(0))), min_size=4, max_size=80)
+                         st.tuples(st.just("tick"), st.booleans()),
+                         st.tuples(st.just("tick"), st.booleans())),
+               min_size=20, max_size=100)
 
 
-@settings(max_examples=400, deadline=None)
+@settings(max_examples=int(os.environ.get("MAS_HYPOTHESIS_EXAMPLES", 300)), deadline=None)
 @given(ops=ops, rows=st.integers(1, 4), depth=st.integers(1, 2), chunk=st.integers(1, 16),
-       kv=st.integers(32, 120), reserve=st.integers(0, 4), context=st.integers(20, 40))
-def test_any_sequence_keeps_the_invariants_and_answers_everyone_once(ops, rows, depth, chunk,
-                                                                     kv, reserve, context):
+       kv=st.integers(32, 120), reserve=st.integers(0, 4), context=st.integers(20, 40),
+       prefix=st.booleans(), hybrid=st.booleans(), spare_states=st.integers(0, 6))
+def test_any_sequence_keeps_the_invariants_and_answers_everyone_once(
+        ops, rows, depth, chunk, kv, reserve, context, prefix, hybrid, spare_states):
     s = Scheduler(max_running=rows, context_length=context, eos_ids=[EOS],
                   chunked_prefill_size=chunk, kv_slots=kv, max_queued=1000,
-                  output_reserve=reserve)
-    runner, results = FakeRunner(), deque()
+                  output_reserve=reserve, prefix_cache=prefix,
+                  state_slots=rows + spare_states if hybrid else 0)
+    runner, results = FakeRunner(hybrid), deque()
     prompts, params, emitted, finished = {}, {}, {}, {}
 
     def collect(out) -> None:
@@ -103,25 +156,34 @@ def test_any_sequence_keeps_the_invariants_and_answers_everyone_once(ops, rows, 
             assert fin.rid not in finished, f"{fin.rid} got two terminal replies"
             finished[fin.rid] = fin
 
-    def tick() -> None:
+    def top_up() -> None:
         while len(s.in_flight) < depth and (batch := s.schedule()) is not None:
             results.append(runner.step(batch))
         collect(s.take())
         check_invariants(s)
+
+    def tick(late: bool = False) -> None:
+        # late: process a result and then build (so aborts and arrivals meet two steps in
+        # flight); otherwise build first, as the actor does when it wakes with no result.
+        if not late:
+            top_up()
         if results:
             collect(s.on_result(results.popleft()))
             check_invariants(s)
+        if late:
+            top_up()
 
     for op in ops:
         if op[0] == "arrive":
             rid = f"r{len(prompts)}"
-            prompts[rid] = [1 + (len(prompts) * 7 + i) % 90 for i in range(op[1])]
-            params[rid] = m.SamplingParams(max_new_tokens=op[2])
+            _, base, keep, extra, max_new = op
+            prompts[rid] = BASES[base][:keep] + [90 + (len(prompts) + i) % 9 for i in range(extra)]
+            params[rid] = m.SamplingParams(max_new_tokens=max_new)
             collect(s.add(rid, prompts[rid], params[rid]))
         elif op[0] == "abort" and prompts:
             collect(s.abort(f"r{op[1] % len(prompts)}"))
-        else:
-            tick()
+        elif op[0] == "tick":
+            tick(op[1])
         check_invariants(s)
 
     for _ in range(5000):
@@ -129,19 +191,29 @@ def test_any_sequence_keeps_the_invariants_and_answers_everyone_once(ops, rows, 
             break
         tick()
     event(f"retractions: {min(s.retractions, 3)}")
+    event(f"prefix hits: {min(s.memory.hits, 3)}")
     event(f"reasons: {sorted({f.reason for f in finished.values()})}")
-    assert s.idle and s.leaks() == {"rows": [], "slots": [], "requests": []}
-    assert s.rows.available == rows and s.slots.available == kv
+    leaks = s.leaks()
+    assert s.idle and all(not v for v in leaks.values()), leaks
+    assert s.rows.available == rows
+    if s.memory.tree is not None:
+        s.memory.tree.check()
+        assert s.slots.available + s.memory.tree.cached_tokens == kv
+        s.memory.tree.evict(kv)
+    assert s.slots.available == kv
+    if s.memory.states is not None:
+        s.memory.tree and s.memory.tree.evict_states(10**6)
+        assert s.memory.states.available == s.memory.states.capacity
     assert set(finished) == set(prompts), "every request gets exactly one terminal reply"
     for rid, fin in finished.items():
         got = emitted.get(rid, [])
         ref, reason = reference(prompts[rid], params[rid], context)
         assert got == ref[:len(got)], f"{rid}: tokens differ from the reference"
-        if fin.reason in ("stop", "length") and fin.reason == reason:
-            assert got == ref
+        if fin.reason == "stop" or (fin.reason == "length" and got == ref):
+            assert got == ref and fin.reason == reason
         elif fin.reason == "length":
             # Only the server's whole KV capacity may cut a request short.
-            assert len(prompts[rid]) + len(got) >= kv - reserve
+            assert len(prompts[rid]) + len(got) >= kv
         else:
             assert fin.reason in ("abort", "error")
             if fin.reason == "error":

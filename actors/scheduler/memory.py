@@ -1,0 +1,172 @@
+"""The scheduler's memory: KV slots, recurrent-state slots, the radix prefix tree, and the
+deferred ops that tell the runner what to do with its own memory (DESIGN section 5).
+
+Every op goes into the next ForwardBatch, in the order decided here, and the runner applies it
+at the start of that forward, so no op races a step. What a request holds:
+- `slots[:tree_len]` belong to the tree (locked through `req.lock`), `slots[tree_len:]` are its
+  own; `state` (hybrid models) is its live recurrent-state slot.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from protocol import messages as m
+from protocol.codec import pack_ids
+from actors.scheduler.pools import SlotPool
+from actors.scheduler.radix import RadixCache
+
+SNAPSHOT, DONATE, KV_ONLY = "snapshot", "donate", "kv-only"
+
+
+class Memory:
+    def __init__(self, kv_slots: int, state_slots: int = 0, prefix: bool = False):
+        self.slots = SlotPool(kv_slots)
+        self.states = SlotPool(state_slots) if state_slots else None
+        self.tree = RadixCache(self.slots, self.states) if prefix else None
+        self.ops: list[m.Op] = []
+        self.hits = self.hit_tokens = self.inserted_tokens = self.evicted_tokens = 0
+
+    # -- admission ---------------------------------------------------------------------------
+
+    def admit(self, req: Any, row: int, reserve: int) -> bool:
+        """Find the request's cached prefix, make room for the rest plus `reserve`, and take
+        its slots; False (nothing taken) if memory is short."""
+        match = self._lock_match(req)
+        if self.states is not None and not self._state_room():
+            # The only snapshots left may be on this request's own path: give them up.
+            self._unlock(match)
+            self.tree is not None and self.tree.evict_states(1)
+            if not self.states.available:
+                return False
+            match = self._lock_match(req)
+        cached = match.length if match else 0
+        if not self.make_room(len(req.fill) - cached + reserve):
+            self._unlock(match)
+            return False
+        req.slots = (match.slots if match else []) + self.slots.alloc(len(req.fill) - cached)
+        req.tree_len, req.lock = cached, match.node if match else None
+        req.filled = req.kv_len = cached
+        if not req.retractions:
+            req.cached = cached
+        if cached:
+            self.hits += 1
+            self.hit_tokens += cached
+            self.ops.append(m.Op(kind=m.OP_KV_LOAD, dst=row, slots=pack_ids(match.slots)))
+        if self.states is not None:
+            req.state = self.states.alloc(1)[0]
+            if cached:
+                self.ops.append(m.Op(kind=m.OP_COPY, src=match.state, dst=req.state))
+            else:
+                self.ops.append(m.Op(kind=m.OP_CLEAR, dst=req.state))
+        return True
+
+    def _lock_match(self, req: Any) -> Any:
+        if self.tree is None:
+            return None
+        match = self.tree.match(req.fill[:-1], need_state=self.states is not None)
+        self.tree.lock(match.node)  # before evicting: the match must survive it
+        return match
+
+    def _unlock(self, match: Any) -> None:
+        if match is not None:
+            self.tree.unlock(match.node)
+
+    def make_room(self, n: int) -> bool:
+        """At least n free KV slots, evicting unlocked cached prefixes (LRU) if needed."""
+        short = n - self.slots.available
+        if short > 0 and self.tree is not None:
+            self.evicted_tokens += self.tree.evict(short)
+        return self.slots.available >= n
+
+    def _state_room(self) -> bool:
+        if not self.states.available and self.tree is not None:
+            self.tree.evict_states(1)
+        return self.states.available > 0
+
+    # -- caching prefixes --------------------------------------------------------------------
+
+    def cache_prefix(self, req: Any, row: int, n: int, state_mode: str = SNAPSHOT) -> None:
+        """Hand the first n tokens' KV (and, hybrid, the state after them) to the tree.
+        SNAPSHOT (a chunk boundary: the live state is after exactly n tokens when the next
+        chunk's batch starts) copies the live state into a new slot; DONATE (the request ended
+        after exactly n tokens) gives the live slot itself, no copy; KV_ONLY caches no state.
+        KV is saved only where the tree kept our slots."""
+        if self.tree is None or n <= req.tree_len:
+            return
+        seq = (req.prompt + req.output)[:n]
+        state = None
+        if self.states is not None and state_mode == DONATE:
+            state = req.state
+        elif self.states is not None and state_mode == SNAPSHOT and self._state_room():
+            state = self.states.alloc(1)[0]
+        node = self.tree.insert(seq, req.slots[:n], state=state)
+        kept = self.tree.path_slots(node)
+        start = req.tree_len
+        while start < n:  # one save per run of positions whose slots the tree took from us
+            if kept[start] != req.slots[start]:
+                start += 1
+                continue
+            end = start
+            while end < n and kept[end] == req.slots[end]:
+                end += 1
+            self.ops.append(m.Op(kind=m.OP_KV_SAVE, dst=row, start=start,
+                                 slots=pack_ids(kept[start:end])))
+            self.inserted_tokens += end - start
+            start = end
+        req.slots[:n] = kept
+        if state is not None and state_mode == SNAPSHOT and node.state == state:
+            self.ops.append(m.Op(kind=m.OP_SNAPSHOT, src=req.state, dst=state))
+        if state is not None and state_mode == DONATE:
+            req.state = -1  # the tree kept it, or freed it because it had one already
+        self.tree.lock(node)
+        if req.lock is not None:
+            self.tree.unlock(req.lock)
+        req.lock, req.tree_len = node, n
+
+    # -- release -----------------------------------------------------------------------------
+
+    def release(self, req: Any, row: int, keep: bool) -> None:
+        """No step in flight carries the request: cache what it computed (keep) and give back
+        everything else."""
+        # A step in flight when the request was aborted may have run on a token that was
+        # then dropped: only positions whose tokens are known are cached, and the live state
+        # (which has seen that token) is donated only if it matches them exactly.
+        known = min(req.kv_len, len(req.prompt) + len(req.output))
+        if keep and known:
+            self.cache_prefix(req, row, known, DONATE if known == req.kv_len else KV_ONLY)
+        own = req.slots[req.tree_len:] if self.tree is not None else req.slots
+        if own:
+            self.slots.free(own)
+        if req.lock is not None:
+            self.tree.unlock(req.lock)
+        if req.state >= 0:
+            self.states.free([req.state])
+        req.slots, req.tree_len, req.lock, req.state = [], 0, None, -1
+
+    def take_ops(self) -> list[m.Op]:
+        ops, self.ops = self.ops, []
+        return ops
+
+    # -- accounting --------------------------------------------------------------------------
+
+    def leaks(self) -> dict[str, Any]:
+        """With no request live: every slot not held by the tree is free, no lock is held."""
+        tree_slots, tree_states = set(), set()
+        if self.tree is not None:
+            for node in self.tree.walk():
+                tree_slots.update(node.slots)
+                if node.state is not None:
+                    tree_states.add(node.state)
+        out: dict[str, Any] = {"slots": sorted(self.slots.owned - tree_slots)}
+        if self.states is not None:
+            out["states"] = sorted(self.states.owned - tree_states)
+        if self.tree is not None and self.tree.root.lock:
+            out["locks"] = [self.tree.root.lock]
+        return out
+
+    def stats(self) -> dict[str, int]:
+        cached = self.tree.cached_tokens if self.tree is not None else 0
+        return {"free_slots": self.slots.available, "cached_tokens": cached,
+                "hits": self.hits, "hit_tokens": self.hit_tokens,
+                "inserted_tokens": self.inserted_tokens, "evicted_tokens": self.evicted_tokens}

@@ -1,0 +1,26 @@
+"""Memory sizes the scheduler and the runner must agree on, derived from config and model."""
+
+from __future__ import annotations
+
+import os
+
+from actors.shell import ModelInfo
+from protocol.config import Config
+
+
+def kv_capacity(cfg: Config, model: ModelInfo) -> int:
+    """KV slots: configured, or a fraction of physical memory over one token's KV bytes."""
+    if cfg.memory.kv_tokens:
+        return cfg.memory.kv_tokens
+    physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    per_token = max(1, model.kv_bytes_per_token)
+    ceiling = cfg.scheduler.max_running_requests * model.context_length
+    return max(1, min(int(physical * cfg.memory.kv_fraction) // per_token, ceiling))
+
+
+def state_capacity(cfg: Config, model: ModelInfo) -> int:
+    """Recurrent-state slots (hybrid models only): one live slot per running request, the
+    rest hold prefix snapshots."""
+    if not model.state_layers:
+        return 0
+    return cfg.memory.state_slots or 4 * cfg.scheduler.max_running_requests

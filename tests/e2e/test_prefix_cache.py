@@ -1,0 +1,95 @@
+"""The radix prefix cache through the real graph, on the dense (qwen3) and the hybrid
+(qwen3_5, recurrent state restored from snapshots) built-in models: greedy token ids are
+identical with the cache on and off, and replies report cached_tokens where a hit is expected."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from actors.model_runner.builtin import ensure_builtin
+from protocol.client import AsyncClient, Client
+from tests.e2e.graph import Graph
+
+pytestmark = pytest.mark.slow
+
+SYSTEM = "You are a careful assistant who answers briefly. " * 12
+MAX_NEW = 12
+
+
+def _sequential(address: str) -> dict[str, object]:
+    """(a) the same prompt twice, (b) one long system prompt with different user turns,
+    (c) a multi-turn chat where each turn appends to the last."""
+    out = {}
+    with Client(address, timeout=120) as c:
+        out["a1"] = c.generate("The quick brown fox jumps over the lazy dog. " * 8,
+                               max_new_tokens=MAX_NEW)
+        out["a2"] = c.generate("The quick brown fox jumps over the lazy dog. " * 8,
+                               max_new_tokens=MAX_NEW)
+        for k, q in enumerate(["What is rain?", "Name a color.", "Count to three."]):
+            out[f"b{k}"] = c.generate([{"role": "system", "content": SYSTEM},
+                                       {"role": "user", "content": q}], max_new_tokens=MAX_NEW)
+        chat = [{"role": "system", "content": SYSTEM}]
+        for k, q in enumerate(["Hello!", "Tell me more.", "And then?"]):
+            chat.append({"role": "user", "content": q})
+            out[f"c{k}"] = reply = c.generate(chat, max_new_tokens=MAX_NEW)
+            chat.append({"role": "assistant", "content": reply.text})
+    return out
+
+
+async def _concurrent(address: str) -> dict[str, object]:
+    """(d) concurrent requests sharing a long prefix (cached at chunk boundaries)."""
+    async with AsyncClient(address) as c:
+        prompts = {f"d{k}": SYSTEM + f" Question {k}: what comes after {k}?" for k in range(5)}
+        replies = await asyncio.gather(*[c.generate(p, max_new_tokens=MAX_NEW)
+                                         for p in prompts.values()])
+        return dict(zip(prompts, replies))
+
+
+def _evicting(address: str) -> dict[str, object]:
+    """(e) more distinct long prompts than the KV budget holds, then the first one again."""
+    out = {}
+    with Client(address, timeout=120) as c:
+        for k in range(5):
+            out[f"e{k}"] = c.generate(f"Document {k}. " + f"Paragraph {k} text goes here. " * 40,
+                                      max_new_tokens=MAX_NEW)
+        out["e0-again"] = c.generate("Document 0. " + "Paragraph 0 text goes here. " * 40,
+                                     max_new_tokens=MAX_NEW)
+    return out
+
+
+def _serve(model: str, *overrides: str) -> dict[str, object]:
+    g = Graph(f"model.builtin={model}", "scheduler.chunked_prefill_size=64", *overrides)
+    try:
+        out = _sequential(g.address)
+        out.update(asyncio.run(asyncio.wait_for(_concurrent(g.address), 120)))
+        out.update(_evicting(g.address))
+    finally:
+        assert g.stop() == 0
+    assert g.events("scheduler.leak") == []
+    out["_graph"] = g
+    return out
+
+
+@pytest.mark.parametrize("model", ["qwen3-tiny", "qwen3_5-tiny"])
+def test_prefix_cache_on_and_off_give_the_same_tokens(model_cache, model):
+    ensure_builtin(model, cache_dir=model_cache, progress=False)
+    off = _serve(model, "cache.prefix=false")
+    # A KV budget that holds about two of the (e) documents: the others evict them.
+    on = _serve(model, "cache.prefix=true", "memory.kv_tokens=1200")
+    keys = [k for k in off if not k.startswith("_")]
+    for k in keys:
+        assert on[k].token_ids == off[k].token_ids, f"{model} {k}: cache on != off"
+        assert off[k].cached_tokens == 0
+    hits = {k: on[k].cached_tokens for k in keys}
+    assert hits["a1"] == 0 and hits["a2"] > 60
+    assert all(hits[f"b{k}"] > 100 for k in (1, 2))
+    assert hits["c1"] > hits["c0"] and hits["c2"] > hits["c1"]
+    assert sum(hits[f"d{k}"] > 0 for k in range(5)) >= 2
+    assert hits["e0-again"] == 0 or hits["e0-again"] < 10  # evicted by the later documents
+    g = on["_graph"]
+    assert g.events("cache.evict"), "the budget was meant to force eviction"
+    assert g.events("cache.hit") and g.events("scheduler.config")[0]["prefix_cache"]
+    if model.startswith("qwen3_5"):
+        assert g.events("scheduler.config")[0]["state_slots"] > 0
