@@ -83,9 +83,18 @@ def test_prefix_cache_on_and_off_give_the_same_tokens(model_cache, model):
         assert on[k].token_ids == off[k].token_ids, f"{model} {k}: cache on != off"
         assert off[k].cached_tokens == 0
     hits = {k: on[k].cached_tokens for k in keys}
+    # A hybrid model resumes only where a state snapshot exists: at chunk boundaries (64
+    # tokens here) and where a request ended. A dense one resumes anywhere.
+    shared = 64 if model.startswith("qwen3_5") else 100
     assert hits["a1"] == 0 and hits["a2"] > 60
-    assert all(hits[f"b{k}"] > 100 for k in (1, 2))
-    assert hits["c1"] > hits["c0"] and hits["c2"] > hits["c1"]
+    assert all(hits[f"b{k}"] >= shared for k in (1, 2))
+    assert hits["c0"] > 0 and hits["c1"] > hits["c0"]
+    if shared == 64:
+        # A reply re-tokenized from its text may differ from the generated ids: the hybrid
+        # model then resumes from the last snapshot before that point.
+        assert hits["c2"] >= hits["c1"]
+    else:
+        assert hits["c2"] > hits["c1"]
     assert sum(hits[f"d{k}"] > 0 for k in range(5)) >= 2
     assert hits["e0-again"] == 0 or hits["e0-again"] < 10  # evicted by the later documents
     g = on["_graph"]
