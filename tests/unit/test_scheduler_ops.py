@@ -1,0 +1,112 @@
+"""The deferred op queue (DESIGN section 5), as the scheduler core emits it for a hybrid model
+with the prefix cache on: the right ops, in the right order, in the right batch."""
+
+from protocol import messages as m
+from protocol.codec import unpack_ids
+from actors.scheduler.core import Scheduler
+
+EOS = 99
+P = m.SamplingParams
+
+
+def make(chunk=4, kv=256, states=8):
+    return Scheduler(max_running=4, context_length=128, eos_ids=[EOS], chunked_prefill_size=chunk,
+                     kv_slots=kv, state_slots=states, prefix_cache=True)
+
+
+def kinds(batch):
+    return [op.kind for op in batch.ops]
+
+
+def finish(s, batch, token=EOS):
+    rows = [r for r, smp in zip(batch.rows, batch.sample) if smp]
+    return s.on_result(m.StepResult(step=batch.step, rows=rows, tokens=[token] * len(rows)))
+
+
+def run_to_idle(s):
+    while (b := s.schedule()) is not None:
+        finish(s, b)
+
+
+def test_fresh_request_gets_a_clear_of_its_live_state():
+    s = make()
+    s.add("a", [1, 2, 3], P(max_new_tokens=1))
+    b = s.schedule()
+    assert kinds(b) == [m.OP_CLEAR]
+    assert b.ops[0].dst == b.admit_states[0] >= 0
+
+
+def test_chunk_boundary_snapshots_the_live_state_in_the_batch_of_the_next_chunk():
+    s = make(chunk=4)
+    s.add("a", list(range(1, 11)), P(max_new_tokens=2))
+    first = s.schedule()
+    live = first.admit_states[0]
+    assert kinds(first) == [m.OP_CLEAR]
+    second = s.schedule()  # chunk 2 (overlap: built before chunk 1 returned)
+    # Chunk 1's KV is saved and the state after it snapshotted, before chunk 2 runs.
+    assert kinds(second) == [m.OP_KV_SAVE, m.OP_SNAPSHOT]
+    save, snap = second.ops
+    assert save.dst == first.rows[0] and save.start == 0 and len(unpack_ids(save.slots)) == 4
+    assert snap.src == live and snap.dst not in (live, -1)
+    assert second.start_pos == [4] and second.input_lens == [4]
+
+
+def test_finish_donates_the_live_slot_and_a_hit_copies_it():
+    s = make(chunk=64)
+    prompt = list(range(1, 11))
+    s.add("a", prompt, P(max_new_tokens=1))
+    b = s.schedule()
+    live = b.admit_states[0]
+    finish(s, b, token=7)  # max_new_tokens=1: ends here, nothing in flight
+    release = s.schedule()
+    # Its KV is saved, its live state slot is donated (no copy, no snapshot), its row freed.
+    assert kinds(release) == [m.OP_KV_SAVE] and release.release_rows == b.rows
+    assert len(unpack_ids(release.ops[0].slots)) == len(prompt)
+    node = s.memory.tree.match(prompt, need_state=True).node
+    assert node.state == live and live in s.memory.states.owned  # now held by the tree
+    finish(s, release)
+    # Same prompt again: the prefix (all but the last prompt token is usable) must resume
+    # from a state snapshot, so the hit is at the donated node only if it ends at <= len - 1.
+    s.add("b", prompt + [5, 6], P(max_new_tokens=1))
+    hit = s.schedule()
+    assert kinds(hit) == [m.OP_KV_LOAD, m.OP_COPY]
+    load, copy = hit.ops
+    assert load.dst == hit.rows[0] and len(unpack_ids(load.slots)) == 10
+    assert copy.src == live and copy.dst == hit.admit_states[0] != live
+    assert hit.start_pos == [10] and hit.input_lens == [2]
+    finish(s, hit)
+    run_to_idle(s)
+    assert not any(s.leaks().values())
+
+
+def test_abort_between_scheduling_and_execution_leaves_no_orphan_state_slot():
+    s = make(chunk=4)
+    s.add("a", list(range(1, 11)), P(max_new_tokens=5))
+    first = s.schedule()
+    second = s.schedule()  # holds a SNAPSHOT into a fresh node slot
+    snap_dst = second.ops[-1].dst
+    s.abort("a")
+    assert s.schedule() is None or not s.in_flight[-1][0].rows
+    finish(s, first)
+    finish(s, second)
+    run_to_idle(s)
+    leaks = s.leaks()
+    assert not any(leaks.values()), leaks
+    # Every state slot is free or held by a tree node (the snapshot and, if donated, the
+    # live slot): none is owned by nobody.
+    held = {n.state for n in s.memory.tree.walk() if n.state is not None}
+    assert s.memory.states.owned == held and snap_dst in held
+    s.memory.tree.evict(10**6)
+    assert s.memory.states.available == s.memory.states.capacity
+
+
+def test_without_the_prefix_cache_only_clears():
+    s = Scheduler(max_running=2, context_length=64, eos_ids=[EOS], chunked_prefill_size=4,
+                  kv_slots=64, state_slots=4, prefix_cache=False)
+    s.add("a", list(range(1, 11)), P(max_new_tokens=2))
+    batches = []
+    while (b := s.schedule()) is not None:
+        batches.append(b)
+        finish(s, b, token=7)
+    assert [k for b in batches for k in kinds(b)] == [m.OP_CLEAR]
+    assert s.memory.states.available == 4
