@@ -66,6 +66,9 @@ class MemoryConfig(Section):
 class CacheConfig(Section):
     # Radix prefix cache: a prompt that starts with a cached prefix skips recomputing it.
     prefix: bool = True
+    # Hybrid models: prefill chunks end at multiples of this many tokens, where the recurrent
+    # state is snapshotted, so a shared prefix resumes at most this far before its end.
+    snapshot_interval: Annotated[int, Meta(ge=0)] = 128
 
 
 class LogConfig(Section):

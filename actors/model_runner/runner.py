@@ -182,11 +182,17 @@ class ModelRunner:
         if cache[self.attention[0]].offset != start if self.attention else False:
             raise StepError(f"row {row}: prompt chunk at {start}, cache holds "
                             f"{cache[self.attention[0]].offset}")
-        logits = self.model(mx.array(ids)[None], cache=cache)
-        self._write_states([row], cache)
         if not sample:
+            self.model(mx.array(ids)[None], cache=cache)  # logits unused: never evaluated
+            self._write_states([row], cache)
             mx.eval([c.state for c in cache])
             return None
+        # The last token runs alone, as in mlx_lm.generate: logits (a vocab-wide matmul per
+        # position) are computed for that one position only.
+        if len(ids) > 1:
+            self.model(mx.array(ids[:-1])[None], cache=cache)
+        logits = self.model(mx.array(ids[-1:])[None], cache=cache)
+        self._write_states([row], cache)
         token = sample_tokens(logits[:, -1, :], [self.temperature[row]])
         del self.prefilling[row]
         self._join_decode(row, cache)

@@ -29,6 +29,7 @@ class SchedulerActor:
                               kv_slots=kv_capacity(shell.cfg, shell.model),
                               state_slots=state_capacity(shell.cfg, shell.model),
                               prefix_cache=shell.cfg.cache.prefix,
+                              snapshot_interval=shell.cfg.cache.snapshot_interval,
                               max_queued=cfg.max_queued_requests,
                               output_reserve=cfg.output_reserve_tokens)
         self.inbox = shell.bind_inbox(m.SchedulerInbox)

@@ -81,11 +81,14 @@ class Scheduler:
     def __init__(self, *, max_running: int, context_length: int, eos_ids: list[int],
                  chunked_prefill_size: int = 512, kv_slots: int = 1 << 20,
                  max_queued: int = 1 << 16, output_reserve: int = 64, state_slots: int = 0,
-                 prefix_cache: bool = False):
+                 prefix_cache: bool = False, snapshot_interval: int = 0):
         self.rows = RowPool(max_running)
         self.memory = Memory(kv_slots, state_slots, prefix_cache)
         self.slots = self.memory.slots
         self.chunk = chunked_prefill_size
+        # Hybrid models resume a prefix only where a state snapshot was taken, and snapshots
+        # are taken at chunk boundaries: cut prefill chunks at multiples of this interval.
+        self.snapshot_interval = snapshot_interval if state_slots and prefix_cache else 0
         self.context_length = context_length
         self.eos_ids = frozenset(eos_ids)
         self.max_queued = max_queued
@@ -218,6 +221,8 @@ class Scheduler:
 
     def _prefill_chunk(self, req: Request, budget: int, add_row, ids: list[int]) -> int:
         n = min(len(req.fill) - req.filled, budget)
+        if self.snapshot_interval:
+            n = min(n, self.snapshot_interval - req.filled % self.snapshot_interval)
         if n <= 0:
             return 0
         last = req.filled + n == len(req.fill)

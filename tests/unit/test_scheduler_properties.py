@@ -138,13 +138,14 @@ ops = st.lists(st.one_of(arrive, arrive, st.tuples(st.just("abort"), st.integers
 @settings(max_examples=int(os.environ.get("MAS_HYPOTHESIS_EXAMPLES", 300)), deadline=None)
 @given(ops=ops, rows=st.integers(1, 4), depth=st.integers(1, 2), chunk=st.integers(1, 16),
        kv=st.integers(32, 120), reserve=st.integers(0, 4), context=st.integers(20, 40),
-       prefix=st.booleans(), hybrid=st.booleans(), spare_states=st.integers(0, 6))
+       prefix=st.booleans(), hybrid=st.booleans(), spare_states=st.integers(0, 6),
+       interval=st.integers(0, 6))
 def test_any_sequence_keeps_the_invariants_and_answers_everyone_once(
-        ops, rows, depth, chunk, kv, reserve, context, prefix, hybrid, spare_states):
+        ops, rows, depth, chunk, kv, reserve, context, prefix, hybrid, spare_states, interval):
     s = Scheduler(max_running=rows, context_length=context, eos_ids=[EOS],
                   chunked_prefill_size=chunk, kv_slots=kv, max_queued=1000,
                   output_reserve=reserve, prefix_cache=prefix,
-                  state_slots=rows + spare_states if hybrid else 0)
+                  state_slots=rows + spare_states if hybrid else 0, snapshot_interval=interval)
     runner, results = FakeRunner(hybrid), deque()
     prompts, params, emitted, finished = {}, {}, {}, {}
 
