@@ -13,30 +13,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import re
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+from launch.benchgraph import start_graph, stop_graph
 from protocol.client import AsyncClient
-
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def start(model: str, overlap: bool, log_file: Path, extra: list[str]) -> tuple[subprocess.Popen, str]:
-    args = [sys.executable, "-m", "launch", "--config", str(ROOT / "configs" / "qwen.toml"),
-            "--set", f"model.builtin={model}", "--set", "server.port=0",
-            "--set", f"scheduler.overlap={str(overlap).lower()}", "--set", "log.stderr=false",
-            "--set", f"log.file={log_file}", "--set", "log.stats_interval_s=2", *extra]
-    proc = subprocess.Popen(args, stdout=subprocess.PIPE, text=True, cwd=ROOT)
-    for line in proc.stdout:
-        found = re.search(r"client (tcp://\S+)", line)
-        if found:
-            return proc, found.group(1)
-    raise RuntimeError("the graph did not start")
-
 
 async def load(address: str, concurrency: int, seconds: float, max_new: int) -> int:
     deadline = time.monotonic() + seconds
@@ -56,12 +39,12 @@ async def load(address: str, concurrency: int, seconds: float, max_new: int) -> 
 
 def measure(model: str, overlap: bool, args: argparse.Namespace) -> dict:
     log_file = Path(tempfile.mkdtemp(prefix="mas-bench-")) / "log.jsonl"
-    proc, address = start(model, overlap, log_file, args.set)
+    proc, address = start_graph(model, f"scheduler.overlap={str(overlap).lower()}",
+                                f"log.file={log_file}", "log.stats_interval_s=2", *args.set)
     try:
         tokens = asyncio.run(load(address, args.concurrency, args.seconds, args.max_new_tokens))
     finally:
-        proc.send_signal(2)
-        proc.wait(60)
+        stop_graph(proc)
     stats = [r for r in map(json.loads, log_file.read_text().splitlines())
              if r.get("event") == "runner.utilisation"][1:-1]
     busy = sum(r["busy_s"] for r in stats)
@@ -81,7 +64,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--set", action="append", default=[], help="extra launch --set overrides")
     p.add_argument("--json", help="write the results here too")
     args = p.parse_args(argv)
-    args.set = [a for kv in args.set for a in ("--set", kv)]
     rows = [measure(args.model, overlap, args) for overlap in (False, True)]
     print(f"model {args.model}, concurrency {args.concurrency}, {args.seconds:g} s per mode")
     print("| overlap | runner idle | steps/s | output tok/s |")

@@ -12,29 +12,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
+from launch.benchgraph import start_graph, stop_graph
 from protocol.client import Client
-
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def start(model: str, extra: list[str]) -> tuple[subprocess.Popen, str]:
-    args = [sys.executable, "-m", "launch", "--config", str(ROOT / "configs" / "qwen.toml"),
-            "--set", f"model.builtin={model}", "--set", "server.port=0",
-            "--set", "log.stderr=false", *extra]
-    proc = subprocess.Popen(args, stdout=subprocess.PIPE, text=True, cwd=ROOT)
-    for line in proc.stdout:
-        found = re.search(r"client (tcp://\S+)", line)
-        if found:
-            return proc, found.group(1)
-    raise RuntimeError("the graph did not start")
-
 
 def ttft(client: Client, ids: list[int]) -> tuple[float, int]:
     t0 = time.perf_counter()
@@ -47,7 +31,7 @@ def ttft(client: Client, ids: list[int]) -> tuple[float, int]:
 
 
 def measure(model: str, prefix_tokens: int, rounds: int, extra: list[str]) -> dict:
-    proc, address = start(model, extra)
+    proc, address = start_graph(model, *extra)
     cold, hit, cached = [], [], []
     try:
         with Client(address, timeout=600) as client:
@@ -61,8 +45,7 @@ def measure(model: str, prefix_tokens: int, rounds: int, extra: list[str]) -> di
                 hit.append(t)
                 cached.append(c)
     finally:
-        proc.send_signal(2)
-        proc.wait(60)
+        stop_graph(proc)
     c, h = statistics.median(cold), statistics.median(hit)
     return {"model": model, "prefix_tokens": prefix_tokens, "cold_ttft_s": round(c, 4),
             "hit_ttft_s": round(h, 4), "ratio": round(h / c, 4),
@@ -77,8 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--set", action="append", default=[], help="extra launch --set overrides")
     p.add_argument("--json", help="write the results here too")
     args = p.parse_args(argv)
-    extra = [a for kv in args.set for a in ("--set", kv)]
-    rows = [measure(model, args.prefix_tokens, args.rounds, extra) for model in args.models]
+    rows = [measure(model, args.prefix_tokens, args.rounds, args.set) for model in args.models]
     print("| model | prefix tokens | cached tokens | cold TTFT | hit TTFT | hit / cold |")
     print("|---|---|---|---|---|---|")
     for r in rows:

@@ -49,6 +49,15 @@ def _request(prompt: str | list[int] | list[dict] | None, req_id: str | None,
     return m.GenerateRequest(req_id=req_id or uuid.uuid4().hex, **fields, **kw)
 
 
+def _piece(reply: Any, req_id: str) -> str | Result:
+    """What a caller sees of one reply: a text delta, the result, or a raised error."""
+    if isinstance(reply, ServerError):
+        raise reply
+    if isinstance(reply, m.ErrorReply):
+        raise ServerError(reply.message, reply.code, req_id)
+    return reply.text if isinstance(reply, m.Delta) else reply
+
+
 def _dealer(ctx: zmq.Context, address: str) -> tuple[zmq.Socket, zmq.Socket]:
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
@@ -110,12 +119,9 @@ class Client:
                 reply = _reply_decoder.decode(self.sock.recv())
                 if reply.req_id != req_id and reply.req_id:
                     continue  # a late reply to an earlier, abandoned request
-                if isinstance(reply, m.ErrorReply):
-                    raise ServerError(reply.message, reply.code, req_id)
-                if isinstance(reply, m.Delta):
-                    yield reply.text
-                else:
-                    yield reply
+                piece = _piece(reply, req_id)
+                yield piece
+                if not isinstance(piece, str):
                     return
 
     def _forget_old_events(self) -> None:
@@ -169,15 +175,9 @@ class AsyncClient:
     async def _replies(self, req_id: str, queue: asyncio.Queue) -> AsyncIterator[str | Result]:
         try:
             while True:
-                reply = await queue.get()
-                if isinstance(reply, ServerError):
-                    raise reply
-                if isinstance(reply, m.ErrorReply):
-                    raise ServerError(reply.message, reply.code, req_id)
-                if isinstance(reply, m.Delta):
-                    yield reply.text
-                else:
-                    yield reply
+                piece = _piece(await queue.get(), req_id)
+                yield piece
+                if not isinstance(piece, str):
                     return
         finally:
             self.waiting.pop(req_id, None)
