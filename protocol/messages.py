@@ -74,6 +74,18 @@ class GenerateRequest(ClientWire, tag=_tag("GenerateRequest")):
     stream: bool = False
     stop_token_ids: list[int] = []
     ignore_eos: bool = False
+    top_p: Annotated[float, Meta(gt=0.0, le=1.0)] = 1.0
+    top_k: Annotated[int, Meta(ge=0)] = 0  # 0: off
+    min_p: Annotated[float, Meta(ge=0.0, le=1.0)] = 0.0
+    repetition_penalty: Annotated[float, Meta(gt=0.0)] = 1.0
+    frequency_penalty: Annotated[float, Meta(ge=-2.0, le=2.0)] = 0.0
+    presence_penalty: Annotated[float, Meta(ge=-2.0, le=2.0)] = 0.0
+    logit_bias: dict[int, Annotated[float, Meta(ge=-100.0, le=100.0)]] = {}
+    seed: Annotated[int, Meta(ge=0)] | None = None
+    stop: list[str] = []  # stop strings: matched across token boundaries, trimmed from the text
+    min_new_tokens: Annotated[int, Meta(ge=0)] = 0
+    logprobs: bool = False  # the chosen tokens' logprobs
+    top_logprobs: Annotated[int, Meta(ge=0, le=20)] = 0  # and this many alternatives each
 
 
 class AbortRequest(ClientWire, tag=_tag("AbortRequest")):
@@ -86,6 +98,9 @@ class Delta(ClientWire, tag=_tag("Delta")):
     req_id: str
     text: str
     token_ids: list[int]
+    logprobs: list[float] = []  # per token id, when asked
+    top_ids: list[list[int]] = []  # per token id: the best alternatives, when asked
+    top_logprobs: list[list[float]] = []
 
 
 class Finished(ClientWire, tag=_tag("Finished")):
@@ -100,6 +115,10 @@ class Finished(ClientWire, tag=_tag("Finished")):
     cached_tokens: int = 0
     ttft_s: float = 0.0
     total_s: float = 0.0
+    logprobs: list[float] = []  # per generated token, when asked (all of them, even streamed)
+    top_ids: list[list[int]] = []
+    top_logprobs: list[list[float]] = []
+    stop_str: str = ""  # the stop string that ended it, if one did
 
 
 class ErrorReply(ClientWire, tag=_tag("ErrorReply")):
@@ -123,6 +142,19 @@ class SamplingParams(Plain):
     temperature: float = 0.0
     stop_token_ids: list[int] = []
     ignore_eos: bool = False
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    bias_ids: list[int] = []
+    bias_values: list[float] = []
+    seed: int = -1  # -1: not seeded
+    min_new_tokens: int = 0
+    stop: list[str] = []
+    logprobs: bool = False
+    top_logprobs: int = 0
 
 
 class TokenizedRequest(Wire, tag=_tag("TokenizedRequest")):
@@ -189,6 +221,10 @@ class StepResult(Wire, tag=_tag("StepResult")):
     tokens: list[int]
     forward_s: float = 0.0  # wall time the runner spent on this step
     error: str = ""  # non-empty: the step failed on the runner, nothing was sampled
+    # Per sampled row, when any row of the step asked for them (else empty):
+    logprobs: list[float] = []
+    top_ids: list[list[int]] = []
+    top_logprobs: list[list[float]] = []
 
 
 class Finish(Plain):
@@ -201,6 +237,7 @@ class Finish(Plain):
     cached_tokens: int = 0
     message: str = ""  # for reason == "error"
     code: int = 500  # for reason == "error": 400 the request was bad, 500 the server failed
+    stop_str: str = ""  # reason == "stop" by a stop string: which one
 
 
 class TokenBatch(Wire, tag=_tag("TokenBatch")):
@@ -210,6 +247,13 @@ class TokenBatch(Wire, tag=_tag("TokenBatch")):
     counts: list[int]
     token_ids: bytes  # int32
     finished: list[Finish] = []
+    # Aligned with token_ids when any request in the batch asked for logprobs (else empty).
+    logprobs: list[float] = []
+    top_ids: list[list[int]] = []
+    top_logprobs: list[list[float]] = []
+    # A request's stop strings, in the first TokenBatch that mentions it: the detokenizer holds
+    # back text that could be the start of one and trims the one that matched.
+    stops: dict[str, list[str]] = {}
 
 
 class TextBatch(Wire, tag=_tag("TextBatch")):
@@ -220,6 +264,9 @@ class TextBatch(Wire, tag=_tag("TextBatch")):
     counts: list[int]
     token_ids: bytes  # int32
     finished: list[Finish] = []
+    logprobs: list[float] = []
+    top_ids: list[list[int]] = []
+    top_logprobs: list[list[float]] = []
 
 
 class Ready(Wire, tag=_tag("Ready")):

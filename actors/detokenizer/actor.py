@@ -3,37 +3,50 @@
 from __future__ import annotations
 
 from actors.detokenizer.core import Detokenizer
+from actors.detokenizer.stops import StopTrimmer
 from actors.shell import Shell, run_actor
 from actors.tokenizer.loading import load_tokenizer
 from protocol import messages as m
 from protocol.codec import split_counts, unpack_ids
 
 
-def convert(core: Detokenizer, batch: m.TokenBatch) -> m.TextBatch:
+def convert(core: Detokenizer, stops: dict[str, StopTrimmer], batch: m.TokenBatch) -> m.TextBatch:
+    for rid, strings in batch.stops.items():
+        stops[rid] = StopTrimmer(strings)
     pieces = split_counts(unpack_ids(batch.token_ids), batch.counts)
-    texts = [core.feed(rid, ids) for rid, ids in zip(batch.rids, pieces)]
+    texts = [_trim(stops, rid, core.feed(rid, ids)) for rid, ids in zip(batch.rids, pieces)]
     rids, counts = list(batch.rids), list(batch.counts)
     for fin in batch.finished:
-        tail = core.finish(fin.rid)
+        tail = _trim(stops, fin.rid, core.finish(fin.rid))
+        trimmer = stops.pop(fin.rid, None)
+        if trimmer is not None:
+            tail += trimmer.flush()
         if fin.rid in rids:
             texts[rids.index(fin.rid)] += tail
         elif tail:
             rids.append(fin.rid); texts.append(tail); counts.append(0)
     return m.TextBatch(rids=rids, texts=texts, counts=counts, token_ids=batch.token_ids,
-                       finished=batch.finished)
+                       finished=batch.finished, logprobs=batch.logprobs, top_ids=batch.top_ids,
+                       top_logprobs=batch.top_logprobs)
+
+
+def _trim(stops: dict[str, StopTrimmer], rid: str, text: str) -> str:
+    trimmer = stops.get(rid)
+    return trimmer.push(text) if trimmer is not None else text
 
 
 async def serve(shell: Shell) -> None:
     tokenizer = load_tokenizer(shell.model.path)
     # EOS ends a request; it is never part of the text (as in mlx_lm.generate and OpenAI).
     core = Detokenizer(tokenizer.decode, skip_ids=shell.model.eos_ids)
+    stops: dict[str, StopTrimmer] = {}
     inbox = shell.bind_inbox(m.DetokenizerInbox)
     await shell.ready()
     while True:
         for msg in await inbox.recv_all():
             match msg:
                 case m.TokenBatch():
-                    await shell.send("tokenizer", convert(core, msg))
+                    await shell.send("tokenizer", convert(core, stops, msg))
                 case m.Shutdown():
                     return
 

@@ -13,6 +13,7 @@ import time
 from actors.scheduler.core import Outputs, Scheduler
 from actors.shell import Shell, run_actor
 from actors.sizing import kv_capacity, state_capacity
+from actors.tokenizer.loading import load_decoder
 from protocol import messages as m
 from protocol.codec import unpack_ids
 
@@ -31,7 +32,8 @@ class SchedulerActor:
                               prefix_cache=shell.cfg.cache.prefix,
                               snapshot_interval=shell.cfg.cache.snapshot_interval,
                               max_queued=cfg.max_queued_requests,
-                              output_reserve=cfg.output_reserve_tokens)
+                              output_reserve=cfg.output_reserve_tokens,
+                              decode=load_decoder(shell.model.path))
         self.inbox = shell.bind_inbox(m.SchedulerInbox)
         self.arrival: dict[str, float] = {}
         self.was_idle = True

@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 from itertools import count
+from typing import Callable
 
 from protocol import messages as m
 from protocol.codec import pack_ids
@@ -43,6 +44,8 @@ class Request:
     sampled: int = 0  # output tokens that received or built steps produce
     inflight: int = 0  # built steps not yet returned that carry this request
     aborted: bool = False
+    announced: bool = False  # the detokenizer has been told its stop strings
+    stop_str: str = ""
     retracting: bool = False
     retractions: int = 0
     finish_reason: str = ""
@@ -60,6 +63,9 @@ class Outputs:
     tokens: dict[str, list[int]] = field(default_factory=dict)
     finished: list[m.Finish] = field(default_factory=list)
     retracted: list[str] = field(default_factory=list)
+    # Per token in `tokens` when asked: (logprob, top ids, top logprobs).
+    logprobs: dict[str, list[tuple[float, list[int], list[float]]]] = field(default_factory=dict)
+    stops: dict[str, list[str]] = field(default_factory=dict)
 
     def __bool__(self) -> bool:
         return bool(self.tokens or self.finished)
@@ -67,21 +73,34 @@ class Outputs:
     def to_batch(self) -> m.TokenBatch:
         rids = list(self.tokens)
         flat = [t for rid in rids for t in self.tokens[rid]]
+        lps: list[float] = []
+        top_ids: list[list[int]] = []
+        top_lps: list[list[float]] = []
+        if self.logprobs:
+            for rid in rids:
+                got = self.logprobs.get(rid) or [(0.0, [], [])] * len(self.tokens[rid])
+                for lp, ids, vals in got:
+                    lps.append(lp); top_ids.append(ids); top_lps.append(vals)
         return m.TokenBatch(rids=rids, counts=[len(self.tokens[r]) for r in rids],
-                            token_ids=pack_ids(flat), finished=self.finished)
+                            token_ids=pack_ids(flat), finished=self.finished, logprobs=lps,
+                            top_ids=top_ids, top_logprobs=top_lps, stops=self.stops)
 
     def merge(self, other: "Outputs") -> None:
         for rid, toks in other.tokens.items():
             self.tokens.setdefault(rid, []).extend(toks)
+        for rid, lps in other.logprobs.items():
+            self.logprobs.setdefault(rid, []).extend(lps)
         self.finished.extend(other.finished)
         self.retracted.extend(other.retracted)
+        self.stops.update(other.stops)
 
 
 class Scheduler:
     def __init__(self, *, max_running: int, context_length: int, eos_ids: list[int],
                  chunked_prefill_size: int = 512, kv_slots: int = 1 << 20,
                  max_queued: int = 1 << 16, output_reserve: int = 64, state_slots: int = 0,
-                 prefix_cache: bool = False, snapshot_interval: int = 0):
+                 prefix_cache: bool = False, snapshot_interval: int = 0,
+                 decode: Callable[[list[int]], str] | None = None):
         self.rows = RowPool(max_running)
         self.memory = Memory(kv_slots, state_slots, prefix_cache)
         self.slots = self.memory.slots
@@ -90,6 +109,7 @@ class Scheduler:
         # are taken at chunk boundaries: cut prefill chunks at multiples of this interval.
         self.snapshot_interval = snapshot_interval if state_slots and prefix_cache else 0
         self.context_length = context_length
+        self.decode = decode  # for stop strings: decodes the tail of an output
         self.eos_ids = frozenset(eos_ids)
         self.max_queued = max_queued
         self.output_reserve = output_reserve
@@ -197,10 +217,11 @@ class Scheduler:
         batch, carried = self.in_flight.popleft()
         if result.step != batch.step:
             raise AssertionError(f"result for step {result.step}, expected {batch.step}")
-        tokens = iter(result.tokens)
+        k = -1  # index of this row's sample in the result
         for req, samples in zip(carried, batch.sample):
             req.inflight -= 1
-            token = next(tokens) if samples and not result.error else None
+            k += samples
+            token = result.tokens[k] if samples and not result.error else None
             if req.phase == DONE:
                 pass  # finished at an earlier step while already in this one: drop its token
             elif result.error:
@@ -210,6 +231,13 @@ class Scheduler:
             elif token is not None:
                 req.output.append(token)
                 self._out.tokens.setdefault(req.rid, []).append(token)
+                if result.logprobs:
+                    self._out.logprobs.setdefault(req.rid, []).append(
+                        (result.logprobs[k], result.top_ids[k], result.top_logprobs[k]))
+                if not req.announced:
+                    req.announced = True
+                    if req.params.stop:
+                        self._out.stops[req.rid] = req.params.stop
                 reason = self._stop_reason(req, token)
                 if reason:
                     self._finish(req, reason)
@@ -270,8 +298,20 @@ class Scheduler:
 
     def _stop_reason(self, req: Request, token: int) -> str:
         p = req.params
-        if (token in self.eos_ids and not p.ignore_eos) or token in p.stop_token_ids:
-            return "stop"
+        if len(req.output) > p.min_new_tokens:
+            if (token in self.eos_ids and not p.ignore_eos) or token in p.stop_token_ids:
+                return "stop"
+            if p.stop and self.decode is not None:
+                # A stop string counts where it ends in this token's text (one that completed
+                # earlier, before min_new_tokens, does not); a character can take up to 4
+                # tokens in byte-level BPE, hence the window.
+                window = 4 * max(map(len, p.stop)) + 2
+                tail = self.decode(req.output[-window:])
+                new_from = len(self.decode(req.output[-window:-1]))
+                for stop in p.stop:
+                    if tail.find(stop, max(0, new_from - len(stop) + 1)) >= 0:
+                        req.stop_str = stop
+                        return "stop"
         if len(req.output) >= p.max_new_tokens:
             return "length"
         if len(req.prompt) + len(req.output) >= self.context_length:
@@ -309,7 +349,8 @@ class Scheduler:
             self.running.remove(req)
         self._out.finished.append(m.Finish(
             rid=req.rid, reason=reason, prompt_tokens=len(req.prompt),
-            completion_tokens=len(req.output), cached_tokens=req.cached, message=message))
+            completion_tokens=len(req.output), cached_tokens=req.cached, message=message,
+            stop_str=req.stop_str))
 
     def _release(self, req: Request) -> None:
         self._free_memory(req)

@@ -20,6 +20,7 @@ from protocol import messages as m
 from protocol.codec import pack_ids, split_counts, unpack_ids
 
 Reply = tuple[bytes, m.ClientWire]  # (client identity, message)
+MAX_STOP_STRINGS = 16
 
 _decoder = msgspec.msgpack.Decoder(m.ClientInbound)
 
@@ -35,6 +36,9 @@ class Open:
     first_token: float = 0.0
     texts: list[str] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    top_ids: list[list[int]] = field(default_factory=list)
+    top_logprobs: list[list[float]] = field(default_factory=list)
 
 
 class Frontend:
@@ -83,10 +87,9 @@ class Frontend:
             ids = self._tokenize(req)
         except ValueError as e:
             return refuse(str(e))
-        vocab = self.model.vocab_size
-        bad = [t for t in (*req.input_ids, *req.stop_token_ids) if not 0 <= t < vocab]
-        if bad:
-            return refuse(f"token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        problem = self._check_params(req)
+        if problem:
+            return refuse(problem)
         if len(ids) >= self.model.context_length:
             return refuse(f"prompt has {len(ids)} tokens; the model's context is "
                           f"{self.model.context_length} tokens, output included")
@@ -95,10 +98,26 @@ class Frontend:
         self.log.info("request.received", rid=rid, req_id=req.req_id, prompt_tokens=len(ids),
                       max_new_tokens=req.max_new_tokens, stream=req.stream)
         self.by_client[(identity, req.req_id)] = rid
-        params = m.SamplingParams(max_new_tokens=req.max_new_tokens, temperature=req.temperature,
-                                  stop_token_ids=list(req.stop_token_ids),
-                                  ignore_eos=req.ignore_eos)
+        params = sampling_params(req)
         return [], [m.TokenizedRequest(rid=rid, input_ids=pack_ids(ids), params=params)]
+
+    def _check_params(self, req: m.GenerateRequest) -> str:
+        """What the schema cannot say: ids against this model's vocabulary, and relations
+        between fields. Returns the problem, naming the field, or ""."""
+        vocab = self.model.vocab_size
+        for name, ids in (("input_ids", req.input_ids), ("stop_token_ids", req.stop_token_ids),
+                          ("logit_bias", list(req.logit_bias))):
+            bad = [t for t in ids if not 0 <= t < vocab]
+            if bad:
+                return f"{name}: token id {bad[0]} is outside the vocabulary [0, {vocab})"
+        if req.min_new_tokens > req.max_new_tokens:
+            return (f"min_new_tokens ({req.min_new_tokens}) is more than max_new_tokens "
+                    f"({req.max_new_tokens})")
+        if len(req.stop) > MAX_STOP_STRINGS:
+            return f"stop: at most {MAX_STOP_STRINGS} stop strings, got {len(req.stop)}"
+        if any(not s for s in req.stop):
+            return "stop: a stop string must not be empty"
+        return ""
 
     def _tokenize(self, req: m.GenerateRequest) -> list[int]:
         given = sum(map(bool, (req.prompt, req.input_ids, req.messages)))
@@ -122,10 +141,16 @@ class Frontend:
     def on_text(self, batch: m.TextBatch, now: float) -> list[Reply]:
         replies: list[Reply] = []
         pieces = split_counts(unpack_ids(batch.token_ids), batch.counts)
-        for rid, text, ids in zip(batch.rids, batch.texts, pieces):
+        lps = (split_counts(batch.logprobs, batch.counts), split_counts(batch.top_ids, batch.counts),
+               split_counts(batch.top_logprobs, batch.counts)) if batch.logprobs else None
+        for k, (rid, text, ids) in enumerate(zip(batch.rids, batch.texts, pieces)):
             req = self.open.get(rid)
             if req is None:
                 continue
+            lp, tids, tlps = (lps[0][k], lps[1][k], lps[2][k]) if lps else ([], [], [])
+            req.logprobs += lp
+            req.top_ids += tids
+            req.top_logprobs += tlps
             if ids and not req.first_token:
                 req.first_token = now
                 self.log.info("request.first_token", rid=rid,
@@ -134,7 +159,8 @@ class Frontend:
             if req.stream:
                 if text or ids:
                     replies.append((req.identity, m.Delta(req_id=req.req_id, text=text,
-                                                          token_ids=ids)))
+                                                          token_ids=ids, logprobs=lp,
+                                                          top_ids=tids, top_logprobs=tlps)))
             else:
                 req.texts.append(text)
         for fin in batch.finished:
@@ -159,7 +185,8 @@ class Frontend:
             prompt_tokens=fin.prompt_tokens or req.prompt_tokens,
             completion_tokens=len(req.token_ids), cached_tokens=fin.cached_tokens,
             ttft_s=(req.first_token - req.received) if req.first_token else 0.0,
-            total_s=now - req.received)
+            total_s=now - req.received, logprobs=req.logprobs, top_ids=req.top_ids,
+            top_logprobs=req.top_logprobs, stop_str=fin.stop_str)
 
     def fail_all(self, message: str, code: int = 503) -> list[Reply]:
         """End every open request with an error (shutdown, a dead actor)."""
@@ -168,6 +195,18 @@ class Frontend:
         self.open.clear()
         self.by_client.clear()
         return replies
+
+
+def sampling_params(req: m.GenerateRequest) -> m.SamplingParams:
+    return m.SamplingParams(
+        max_new_tokens=req.max_new_tokens, temperature=req.temperature,
+        stop_token_ids=list(req.stop_token_ids), ignore_eos=req.ignore_eos, top_p=req.top_p,
+        top_k=req.top_k, min_p=req.min_p, repetition_penalty=req.repetition_penalty,
+        frequency_penalty=req.frequency_penalty, presence_penalty=req.presence_penalty,
+        bias_ids=list(req.logit_bias), bias_values=list(req.logit_bias.values()),
+        seed=-1 if req.seed is None else req.seed, min_new_tokens=req.min_new_tokens,
+        stop=list(req.stop), logprobs=req.logprobs or req.top_logprobs > 0,
+        top_logprobs=req.top_logprobs)
 
 
 def _guess_req_id(payload: bytes) -> str:

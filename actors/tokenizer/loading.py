@@ -45,3 +45,12 @@ class TextTokenizer:
 
 def load_tokenizer(path: str) -> TextTokenizer:
     return TextTokenizer(path)
+
+
+def load_decoder(path: str):
+    """decode(ids) -> str without loading transformers (the scheduler only needs this)."""
+    file = Path(path) / "tokenizer.json"
+    if file.is_file():
+        fast = Tokenizer.from_file(str(file))
+        return lambda ids: fast.decode(ids, skip_special_tokens=False)
+    return TextTokenizer(path).decode

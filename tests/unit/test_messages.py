@@ -80,8 +80,12 @@ def test_inbox_decoder_rejects_messages_of_other_inboxes():
 def test_golden_bytes_pin_the_wire_format():
     # Field order is the wire format: appending fields with defaults keeps these decodable.
     assert encode(m.Abort(rid="r")) == b"\x92\x0b\xa1r"
+    before_logprobs = b"\x96\x0d\x01\x91\x02\x91\x03\xcb" + bytes(8) + b"\xa0"
     assert encode(m.StepResult(step=1, rows=[2], tokens=[3])) == \
-        b"\x96\x0d\x01\x91\x02\x91\x03\xcb" + bytes(8) + b"\xa0"
+        b"\x99" + before_logprobs[1:] + b"\x90\x90\x90"
+    # A message from a sender that predates the appended fields still decodes.
+    old = decoder(m.SchedulerInbox).decode(before_logprobs)
+    assert old == m.StepResult(step=1, rows=[2], tokens=[3]) and old.logprobs == []
 
 
 def test_token_packing_is_int32():
