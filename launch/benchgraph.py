@@ -15,6 +15,7 @@ def start_graph(model: str, *overrides: str) -> tuple[subprocess.Popen, str]:
     """Returns the launcher process and the client address once the graph is ready."""
     args = [sys.executable, "-m", "launch", "--config", str(ROOT / "configs" / "qwen.toml"),
             "--set", f"model.builtin={model}", "--set", "server.port=0",
+            "--set", "server.http_port=0",
             "--set", "log.stderr=false", *[a for o in overrides for a in ("--set", o)]]
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, text=True, cwd=ROOT)
     for line in proc.stdout:

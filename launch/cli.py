@@ -60,8 +60,9 @@ def main(argv: list[str] | None = None) -> int:
 
     def on_ready(info: dict[str, str]) -> None:
         client = info.get("client", addrs.client)
-        log.info("launch.ready", client=client)
-        print(f"mlx-actor-serve ready: model {model.name} client {client}", flush=True)
+        http = f" http {info['http']}" if "http" in info else ""
+        log.info("launch.ready", client=client, http=info.get("http"))
+        print(f"mlx-actor-serve ready: model {model.name} client {client}{http}", flush=True)
 
     from launch.supervisor import Supervisor
 

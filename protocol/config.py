@@ -38,6 +38,9 @@ class ServerConfig(Section):
     port: Port = 30000  # ZMQ client endpoint; 0 picks a free port (printed in the ready line)
     # Folder for the ipc:// inboxes inside the graph; empty: a fresh short folder under /tmp.
     ipc_dir: str = ""
+    # OpenAI-compatible HTTP API on the same host; 0 picks a free port, -1 turns it off.
+    http_port: Annotated[int, Meta(ge=-1, le=65535)] = 8000
+    api_key: str = ""  # when set, every HTTP route but /health needs "Authorization: Bearer KEY"
 
 
 class SchedulerConfig(Section):

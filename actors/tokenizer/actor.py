@@ -10,7 +10,9 @@ import zmq
 
 from actors.shell import Shell, run_actor
 from actors.tokenizer.frontend import Frontend, Reply
+from actors.tokenizer.http_front import HTTP_CLIENT, HttpFront
 from actors.tokenizer.loading import load_tokenizer
+from actors.tokenizer.metrics import Metrics
 from protocol import messages as m
 from protocol.codec import encode
 from protocol.transport import bind_tcp
@@ -27,15 +29,25 @@ class TokenizerActor:
         self.router.setsockopt(zmq.ROUTER_MANDATORY, 0)
         self.client_address = bind_tcp(self.router, shell.addrs.client)
         shell.on_parent_gone = lambda: self._send_now(self.front.fail_all("server launcher died"))
+        self.metrics = Metrics()
+        self.http = HttpFront(self) if shell.cfg.server.http_port >= 0 else None
 
     async def serve(self) -> None:
-        await self.shell.ready(client=self.client_address)
+        info = {"client": self.client_address}
+        if self.http is not None:
+            info["http"] = self.http.address
+        await self.shell.ready(**info)
         try:
-            # A failure in either loop takes the actor down loudly (TaskGroup re-raises).
+            # A failure in any loop takes the actor down loudly (TaskGroup re-raises).
             async with asyncio.TaskGroup() as tasks:
-                clients = tasks.create_task(self._clients())
+                side = [tasks.create_task(self._clients())]
+                if self.http is not None:
+                    side.append(tasks.create_task(self.http.serve()))
                 await self._inbox()
-                clients.cancel()
+                if self.http is not None:
+                    await self.http.stop()
+                for task in side:
+                    task.cancel()
         finally:
             # Linger: the error replies of a shutdown must reach their clients.
             self.router.close(linger=2000)
@@ -45,6 +57,7 @@ class TokenizerActor:
             frames = await self.router.recv_multipart()
             replies, forward = self.front.on_client(frames, time.monotonic())
             for msg in forward:
+                self.metrics.received(msg.rid)
                 await self.shell.send("scheduler", msg)
             for identity, reply in replies:
                 self.log.info("request.rejected", req_id=reply.req_id, error=reply.message)
@@ -76,11 +89,18 @@ class TokenizerActor:
 
     async def _reply(self, replies: list[Reply]) -> None:
         for identity, reply in replies:
-            await self.router.send_multipart([identity, encode(reply)])
+            self.metrics.reply(reply)
+            if identity == HTTP_CLIENT:
+                self.http.deliver(reply)
+            else:
+                await self.router.send_multipart([identity, encode(reply)])
 
     def _send_now(self, replies: list[Reply]) -> None:
         for identity, reply in replies:
-            self.router.send_multipart([identity, encode(reply)], zmq.NOBLOCK)
+            if identity == HTTP_CLIENT:
+                self.http.deliver(reply)
+            else:
+                self.router.send_multipart([identity, encode(reply)], zmq.NOBLOCK)
 
 
 async def serve(shell: Shell) -> None:

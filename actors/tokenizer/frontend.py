@@ -45,6 +45,7 @@ class Frontend:
     def __init__(self, tokenizer: Any, model: ModelInfo, log: Any = None):
         self.tokenizer, self.model = tokenizer, model
         self.log = log or structlog.get_logger()
+        self.last_progress = 0.0  # when the last TextBatch arrived (health)
         self.open: dict[str, Open] = {}  # rid -> request
         self.by_client: dict[tuple[bytes, str], str] = {}  # (identity, req_id) -> rid
         self.accepting = True
@@ -70,10 +71,11 @@ class Frontend:
                 rid = self.by_client.get((identity, msg.req_id))
                 return [], ([m.Abort(rid=rid)] if rid else [])
             case m.GenerateRequest():
-                return self._generate(identity, msg, now)
+                return self.submit(identity, msg, now)
 
-    def _generate(self, identity: bytes, req: m.GenerateRequest,
-                  now: float) -> tuple[list[Reply], list[Any]]:
+    def submit(self, identity: bytes, req: m.GenerateRequest,
+               now: float) -> tuple[list[Reply], list[Any]]:
+        """A decoded request from any front end (ZMQ, HTTP)."""
         def refuse(message: str, code: int = 400):
             return [(identity, m.ErrorReply(req_id=req.req_id, message=message, code=code))], []
 
@@ -140,6 +142,7 @@ class Frontend:
 
     def on_text(self, batch: m.TextBatch, now: float) -> list[Reply]:
         replies: list[Reply] = []
+        self.last_progress = now
         pieces = split_counts(unpack_ids(batch.token_ids), batch.counts)
         lps = (split_counts(batch.logprobs, batch.counts), split_counts(batch.top_ids, batch.counts),
                split_counts(batch.top_logprobs, batch.counts)) if batch.logprobs else None

@@ -30,11 +30,13 @@ def alive(pid: int) -> bool:
 class Graph:
     def __init__(self, *overrides: str, ready_timeout: float = 240.0):
         args = [sys.executable, "-m", "launch", "--config", str(ROOT / "configs" / "qwen.toml"),
-                "--set", "server.port=0", "--set", "log.format=json",
+                "--set", "server.port=0", "--set", "server.http_port=0",
+                "--set", "log.format=json",
                 *[a for o in overrides for a in ("--set", o)]]
         self.proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                      text=True, cwd=ROOT)
         self.records: list[dict] = []
+        self.http: str | None = None
         self._stderr = threading.Thread(target=self._read_stderr, daemon=True)
         self._stderr.start()
         self.address = self._wait_ready(ready_timeout)
@@ -51,9 +53,10 @@ class Graph:
 
         def read() -> None:
             for line in self.proc.stdout:
-                found = re.search(r"ready: .* client (tcp://\S+)", line)
+                found = re.search(r"ready: .* client (tcp://\S+)(?: http (http://\S+))?", line)
                 if found:
                     result.append(found.group(1))
+                    self.http = found.group(2)
                     return
 
         reader = threading.Thread(target=read, daemon=True)

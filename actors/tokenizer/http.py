@@ -1,0 +1,182 @@
+"""The OpenAI-compatible HTTP API: an ASGI app (Starlette under uvicorn) in the tokenizer actor's
+event loop. Every request becomes GenerateRequests for the same Frontend the ZMQ clients use;
+replies come back on a queue per HTTP request instead of the ROUTER socket."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from typing import Any, AsyncIterator, Callable, Protocol
+
+import msgspec
+import structlog
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from actors.tokenizer.openai_format import (ApiError, Choice, chat_chunk, chat_response,
+                                            completion_chunk, completion_response, error_body,
+                                            parse_chat, parse_completion, usage)
+from protocol import messages as m
+
+
+class Bridge(Protocol):
+    """What the HTTP app needs from the actor that hosts it."""
+
+    model_name: str
+    api_key: str
+
+    def submit(self, req: m.GenerateRequest, replies: asyncio.Queue) -> None: ...
+    def abort(self, req_id: str) -> None: ...
+    def healthy(self) -> bool: ...
+    def metrics(self) -> str: ...
+    def token_text(self, token_id: int) -> str: ...
+
+
+def build_app(bridge: Bridge) -> Starlette:
+    def guarded(handler: Callable) -> Callable:
+        async def route(request: Request) -> Response:
+            if bridge.api_key and request.headers.get("authorization") != f"Bearer {bridge.api_key}":
+                return _error(401, "invalid or missing API key (Authorization: Bearer ...)")
+            try:
+                return await handler(request)
+            except ApiError as e:
+                return _error(e.status, e.message, e.param)
+            except Exception as e:  # a bug: say so, log it, keep serving
+                structlog.get_logger().exception("http.error", path=request.url.path)
+                return _error(500, f"internal error: {e!r}")
+        return route
+
+    async def completions(request: Request) -> Response:
+        reqs, opts = parse_completion(await _json(request), bridge.model_name)
+        opts["token_text"] = bridge.token_text
+        return await _serve(bridge, request, reqs, opts, chat=False)
+
+    async def chat(request: Request) -> Response:
+        reqs, opts = parse_chat(await _json(request), bridge.model_name)
+        opts["token_text"] = bridge.token_text
+        return await _serve(bridge, request, reqs, opts, chat=True)
+
+    async def models(request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [
+            {"id": bridge.model_name, "object": "model", "created": 0,
+             "owned_by": "mlx-actor-serve"}]})
+
+    async def health(request: Request) -> Response:
+        ok = bridge.healthy()
+        return PlainTextResponse("ok" if ok else "unhealthy", status_code=200 if ok else 503)
+
+    async def metrics(request: Request) -> Response:
+        return PlainTextResponse(bridge.metrics(), media_type="text/plain; version=0.0.4")
+
+    return Starlette(routes=[
+        Route("/v1/completions", guarded(completions), methods=["POST"]),
+        Route("/v1/chat/completions", guarded(chat), methods=["POST"]),
+        Route("/v1/models", guarded(models), methods=["GET"]),
+        Route("/metrics", guarded(metrics), methods=["GET"]),
+        Route("/health", health, methods=["GET"]),
+    ])
+
+
+async def _json(request: Request) -> dict[str, Any]:
+    try:
+        body = json.loads(await request.body())
+    except ValueError as e:
+        raise ApiError(400, f"the body is not valid JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, "the body must be a JSON object")
+    return body
+
+
+def _error(status: int, message: str, param: str | None = None) -> JSONResponse:
+    return JSONResponse(error_body(status, message, param), status_code=status)
+
+
+async def _serve(bridge: Bridge, request: Request, reqs: list[m.GenerateRequest],
+                 opts: dict[str, Any], chat: bool) -> Response:
+    # One queue for the n choices: replies carry their req_id, which names the choice.
+    queue: asyncio.Queue = asyncio.Queue()
+    index = {r.req_id: k for k, r in enumerate(reqs)}
+    for r in reqs:
+        bridge.submit(r, queue)
+    rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+    created = int(time.time())
+    if opts["stream"]:
+        # An error in the first reply (validation, overload) is an HTTP error, not a stream.
+        first = await queue.get()
+        if isinstance(first, m.ErrorReply):
+            for r in reqs:
+                bridge.abort(r.req_id)
+            raise ApiError(first.code, first.message)
+        body = _stream(bridge, reqs, index, queue, first, opts, chat, rid, created)
+        return StreamingResponse(body, media_type="text/event-stream")
+    watch = asyncio.ensure_future(_watch_disconnect(request, bridge, reqs))
+    results: dict[int, m.Finished] = {}
+    try:
+        while len(results) < len(reqs):
+            reply = await queue.get()
+            if isinstance(reply, m.ErrorReply):
+                for r in reqs:
+                    bridge.abort(r.req_id)
+                raise ApiError(reply.code, reply.message)
+            if isinstance(reply, m.Finished):
+                results[index[reply.req_id]] = reply
+    finally:
+        watch.cancel()
+    ordered = [results[k] for k in range(len(reqs))]
+    choices = [Choice(k, r.text, r.finish_reason, r.token_ids, r.logprobs, r.top_ids,
+                      r.top_logprobs) for k, r in enumerate(ordered)]
+    build = chat_response if chat else completion_response
+    return JSONResponse(build(rid, created, bridge.model_name, choices, usage(ordered), opts))
+
+
+async def _watch_disconnect(request: Request, bridge: Bridge,
+                            reqs: list[m.GenerateRequest]) -> None:
+    """A client that goes away mid-request: abort, so its row and slots are freed."""
+    while not await request.is_disconnected():
+        await asyncio.sleep(0.2)
+    for r in reqs:
+        bridge.abort(r.req_id)
+
+
+async def _stream(bridge: Bridge, reqs: list[m.GenerateRequest], index: dict[str, int],
+                  queue: asyncio.Queue, first: Any, opts: dict[str, Any], chat: bool, rid: str,
+                  created: int) -> AsyncIterator[str]:
+    chunk = chat_chunk if chat else completion_chunk
+    model = bridge.model_name
+    finals: dict[int, m.Finished] = {}
+    reply = first
+    try:
+        if chat:
+            for k in range(len(reqs)):
+                yield _sse(chunk(rid, created, model, k, "", None, None, opts, role=True))
+        while True:
+            if isinstance(reply, m.ErrorReply):  # the server failed mid-stream
+                yield _sse(error_body(reply.code, reply.message, None))
+                break
+            k = index[reply.req_id]
+            if isinstance(reply, m.Delta) and (reply.token_ids or reply.text):
+                lp = (reply.token_ids, reply.logprobs, reply.top_ids, reply.top_logprobs)
+                yield _sse(chunk(rid, created, model, k, reply.text, None, lp, opts))
+            if isinstance(reply, m.Finished):
+                finals[k] = reply
+                yield _sse(chunk(rid, created, model, k, "", reply.finish_reason, None, opts))
+                if len(finals) == len(reqs):
+                    break
+            reply = await queue.get()
+        if opts.get("include_usage") and len(finals) == len(reqs):
+            yield _sse({"id": rid, "object": "chat.completion.chunk" if chat
+                        else "text_completion", "created": created, "model": model,
+                        "choices": [], "usage": usage(list(finals.values()))})
+        yield "data: [DONE]\n\n"
+    finally:
+        for k, r in enumerate(reqs):
+            if k not in finals:
+                bridge.abort(r.req_id)  # the client went away mid-stream
+
+
+def _sse(obj: Any) -> str:
+    return "data: " + msgspec.json.encode(obj).decode() + "\n\n"

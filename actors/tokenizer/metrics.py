@@ -1,0 +1,77 @@
+"""Prometheus metrics, counted from the replies the tokenizer actor sends (ZMQ and HTTP), with
+the names sglang and vLLM users know, under the `mas:` prefix."""
+
+from __future__ import annotations
+
+from bisect import bisect_left
+
+from protocol import messages as m
+
+_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+            7.5, 10.0, 20.0, 40.0, 80.0, 160.0)
+
+
+class Histogram:
+    def __init__(self):
+        self.counts = [0] * (len(_BUCKETS) + 1)
+        self.total = 0.0
+        self.n = 0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect_left(_BUCKETS, value)] += 1
+        self.total += value
+        self.n += 1
+
+    def render(self, name: str, labels: str) -> list[str]:
+        lines, running = [f"# TYPE {name} histogram"], 0
+        for bound, count in zip((*_BUCKETS, float("inf")), self.counts):
+            running += count
+            le = "+Inf" if bound == float("inf") else repr(bound)
+            lines.append(f'{name}_bucket{{{labels},le="{le}"}} {running}')
+        lines += [f"{name}_sum{{{labels}}} {self.total}", f"{name}_count{{{labels}}} {self.n}"]
+        return lines
+
+
+class Metrics:
+    def __init__(self):
+        self.requests = 0
+        self.prompt_tokens = self.generation_tokens = self.cached_tokens = 0
+        self.finished: dict[str, int] = {}
+        self.ttft, self.itl, self.e2e = Histogram(), Histogram(), Histogram()
+
+    def received(self, req_id: str) -> None:
+        self.requests += 1
+
+    def reply(self, reply: m.ClientWire) -> None:
+        if isinstance(reply, m.Finished):
+            self.prompt_tokens += reply.prompt_tokens
+            self.generation_tokens += reply.completion_tokens
+            self.cached_tokens += reply.cached_tokens
+            self.finished[reply.finish_reason] = self.finished.get(reply.finish_reason, 0) + 1
+            if reply.ttft_s:
+                self.ttft.observe(reply.ttft_s)
+            if reply.completion_tokens > 1:
+                self.itl.observe((reply.total_s - reply.ttft_s) / (reply.completion_tokens - 1))
+            self.e2e.observe(reply.total_s)
+        elif isinstance(reply, m.ErrorReply):
+            self.finished["error"] = self.finished.get("error", 0) + 1
+
+    def render(self, model: str, running: int) -> str:
+        labels = f'model_name="{model}"'
+        hit = self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+        lines = [
+            "# TYPE mas:num_requests_running gauge", f"mas:num_requests_running{{{labels}}} {running}",
+            "# TYPE mas:prompt_tokens_total counter",
+            f"mas:prompt_tokens_total{{{labels}}} {self.prompt_tokens}",
+            "# TYPE mas:generation_tokens_total counter",
+            f"mas:generation_tokens_total{{{labels}}} {self.generation_tokens}",
+            "# TYPE mas:prefix_cache_hit_rate gauge",
+            f"mas:prefix_cache_hit_rate{{{labels}}} {hit}",
+            "# TYPE mas:request_success_total counter",
+            *[f'mas:request_success_total{{{labels},finished_reason="{r}"}} {n}'
+              for r, n in sorted(self.finished.items())],
+        ]
+        lines += self.ttft.render("mas:time_to_first_token_seconds", labels)
+        lines += self.itl.render("mas:inter_token_latency_seconds", labels)
+        lines += self.e2e.render("mas:e2e_request_latency_seconds", labels)
+        return "\n".join(lines) + "\n"

@@ -1,0 +1,219 @@
+"""OpenAI request bodies -> GenerateRequests, and replies -> OpenAI response and chunk objects.
+Pure functions: no sockets, no event loop."""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+from typing import Annotated, Any, Callable
+
+import msgspec
+from msgspec import Meta
+
+from protocol import messages as m
+
+class ApiError(Exception):
+    """An HTTP error reply in the OpenAI error shape."""
+
+    def __init__(self, status: int, message: str, param: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param = status, message, param
+
+
+_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+          500: "server_error", 503: "server_overloaded"}
+
+
+def error_body(status: int, message: str, param: str | None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": _TYPES.get(status, "server_error"),
+                      "param": param, "code": status}}
+
+
+class _Common(msgspec.Struct, kw_only=True):
+    """Fields both endpoints take (OpenAI's, then the usual vLLM/sglang extras). Unknown fields
+    are ignored, as OpenAI clients send some we have no use for (user, service_tier...)."""
+
+    model: str = ""
+    temperature: Annotated[float, Meta(ge=0.0, le=2.0)] = 1.0
+    top_p: Annotated[float, Meta(gt=0.0, le=1.0)] = 1.0
+    n: Annotated[int, Meta(ge=1, le=16)] = 1
+    stream: bool = False
+    stream_options: dict[str, Any] | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    frequency_penalty: Annotated[float, Meta(ge=-2.0, le=2.0)] = 0.0
+    presence_penalty: Annotated[float, Meta(ge=-2.0, le=2.0)] = 0.0
+    logit_bias: dict[str, float] | None = None
+    top_k: Annotated[int, Meta(ge=-1)] = 0
+    min_p: Annotated[float, Meta(ge=0.0, le=1.0)] = 0.0
+    repetition_penalty: Annotated[float, Meta(gt=0.0)] = 1.0
+    min_tokens: Annotated[int, Meta(ge=0)] = 0
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+
+
+class CompletionBody(_Common, kw_only=True):
+    prompt: str | list[Any]  # text, [text], or token ids (msgspec takes one list type)
+    max_tokens: Annotated[int, Meta(ge=1)] | None = 16
+    logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
+    echo: bool = False
+
+
+class ChatMessageBody(msgspec.Struct):
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+
+
+class ChatBody(_Common, kw_only=True):
+    messages: list[ChatMessageBody]
+    max_tokens: Annotated[int, Meta(ge=1)] | None = None
+    max_completion_tokens: Annotated[int, Meta(ge=1)] | None = None
+    logprobs: bool = False
+    top_logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+def _convert(body: dict[str, Any], cls: type) -> Any:
+    try:
+        return msgspec.convert(body, cls)
+    except msgspec.ValidationError as e:
+        path = str(e).rsplit("$.", 1)
+        raise ApiError(400, f"invalid request: {e}",
+                       path[1].split("[")[0].rstrip("`") if len(path) > 1 else None) from None
+
+
+def _requests(c: _Common, max_new: int, prompt: dict[str, Any], logprobs: bool,
+              top: int) -> tuple[list[m.GenerateRequest], dict[str, Any]]:
+    stops = [c.stop] if isinstance(c.stop, str) else list(c.stop or [])
+    try:
+        bias = {int(k): v for k, v in (c.logit_bias or {}).items()}
+    except ValueError:
+        raise ApiError(400, "logit_bias keys must be token ids", "logit_bias") from None
+    base = "http-" + uuid.uuid4().hex[:16]
+    reqs = [m.GenerateRequest(
+        req_id=f"{base}-{k}", **prompt, max_new_tokens=max_new, temperature=c.temperature,
+        top_p=c.top_p, top_k=max(c.top_k, 0), min_p=c.min_p,
+        repetition_penalty=c.repetition_penalty, frequency_penalty=c.frequency_penalty,
+        presence_penalty=c.presence_penalty, logit_bias=bias,
+        # n choices of one seeded request: each reproducible, all different.
+        seed=None if c.seed is None else c.seed + k, stop=stops,
+        stop_token_ids=list(c.stop_token_ids or []), ignore_eos=c.ignore_eos,
+        min_new_tokens=c.min_tokens, logprobs=logprobs, top_logprobs=top, stream=c.stream)
+        for k in range(c.n)]
+    include_usage = bool((c.stream_options or {}).get("include_usage"))
+    return reqs, {"stream": c.stream, "include_usage": include_usage, "logprobs": logprobs}
+
+
+def parse_completion(body: dict[str, Any], model: str) -> tuple[list[m.GenerateRequest], dict]:
+    c = _convert(body, CompletionBody)
+    if c.echo:
+        raise ApiError(400, "echo is not supported", "echo")
+    prompt_value = c.prompt
+    if isinstance(prompt_value, list) and all(isinstance(p, str) for p in prompt_value) \
+            and prompt_value:
+        if len(prompt_value) != 1:
+            raise ApiError(400, "a list of several prompts is not supported; send one", "prompt")
+        prompt_value = prompt_value[0]
+    if isinstance(prompt_value, list) and not all(
+            isinstance(t, int) and not isinstance(t, bool) for t in prompt_value):
+        raise ApiError(400, "prompt must be a string, a list of one string, or token ids",
+                       "prompt")
+    prompt = ({"prompt": prompt_value} if isinstance(prompt_value, str)
+              else {"input_ids": prompt_value})
+    top = c.logprobs or 0
+    return _requests(c, c.max_tokens or 16, prompt, c.logprobs is not None, top)
+
+
+def parse_chat(body: dict[str, Any], model: str) -> tuple[list[m.GenerateRequest], dict]:
+    c = _convert(body, ChatBody)
+    messages = []
+    for msg in c.messages:
+        content = msg.content
+        if isinstance(content, list):  # content parts: keep the text ones
+            content = "".join(p.get("text", "") for p in content if p.get("type") == "text")
+        messages.append(m.ChatMessage(role=msg.role, content=content or ""))
+    if not messages:
+        raise ApiError(400, "messages must not be empty", "messages")
+    max_new = c.max_completion_tokens or c.max_tokens or 4096
+    return _requests(c, max_new, {"messages": messages}, c.logprobs, c.top_logprobs or 0)
+
+
+@dataclass
+class Choice:
+    index: int
+    text: str
+    finish_reason: str
+    token_ids: list[int]
+    logprobs: list[float]
+    top_ids: list[list[int]]
+    top_logprobs: list[list[float]]
+
+
+def _reason(reason: str | None) -> str | None:
+    return {"abort": "stop", "error": "stop"}.get(reason, reason) if reason else None
+
+
+def usage(results: list[m.Finished]) -> dict[str, Any]:
+    prompt = results[0].prompt_tokens if results else 0
+    completion = sum(r.completion_tokens for r in results)
+    return {"prompt_tokens": prompt, "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": max((r.cached_tokens for r in results),
+                                                           default=0)}}
+
+
+def _chat_logprobs(ids, lps, top_ids, top_lps, text: Callable[[int], str]) -> dict[str, Any]:
+    def entry(i: int, lp: float) -> dict[str, Any]:
+        t = text(i)
+        return {"token": t, "logprob": lp, "bytes": list(t.encode("utf-8"))}
+    return {"content": [{**entry(i, lp), "top_logprobs": [entry(a, b) for a, b in zip(ti, tl)]}
+                        for i, lp, ti, tl in zip(ids, lps, top_ids or [[]] * len(ids),
+                                                 top_lps or [[]] * len(ids))]}
+
+
+def _completion_logprobs(ids, lps, top_ids, top_lps, text: Callable[[int], str]) -> dict:
+    return {"tokens": [text(i) for i in ids], "token_logprobs": list(lps),
+            "top_logprobs": [{text(a): b for a, b in zip(ti, tl)}
+                             for ti, tl in zip(top_ids or [[]] * len(ids),
+                                               top_lps or [[]] * len(ids))],
+            "text_offset": []}
+
+
+def completion_response(rid, created, model, choices: list[Choice], use, opts) -> dict:
+    text = opts["token_text"]
+    return {"id": rid, "object": "text_completion", "created": created, "model": model,
+            "choices": [{"index": c.index, "text": c.text, "finish_reason": _reason(c.finish_reason),
+                         "logprobs": _completion_logprobs(c.token_ids, c.logprobs, c.top_ids,
+                                                          c.top_logprobs, text)
+                         if opts["logprobs"] else None} for c in choices],
+            "usage": use}
+
+
+def chat_response(rid, created, model, choices: list[Choice], use, opts) -> dict:
+    text = opts["token_text"]
+    return {"id": rid, "object": "chat.completion", "created": created, "model": model,
+            "choices": [{"index": c.index, "finish_reason": _reason(c.finish_reason),
+                         "message": {"role": "assistant", "content": c.text},
+                         "logprobs": _chat_logprobs(c.token_ids, c.logprobs, c.top_ids,
+                                                    c.top_logprobs, text)
+                         if opts["logprobs"] else None} for c in choices],
+            "usage": use}
+
+
+def completion_chunk(rid, created, model, k, text, reason, lp, opts, role=False) -> dict:
+    logprobs = (_completion_logprobs(*lp, opts["token_text"])
+                if lp is not None and opts["logprobs"] else None)
+    return {"id": rid, "object": "text_completion", "created": created, "model": model,
+            "choices": [{"index": k, "text": text, "finish_reason": _reason(reason),
+                         "logprobs": logprobs}]}
+
+
+def chat_chunk(rid, created, model, k, text, reason, lp, opts, role=False) -> dict:
+    delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else {}
+    if text:
+        delta["content"] = text
+    logprobs = (_chat_logprobs(*lp, opts["token_text"])
+                if lp is not None and opts["logprobs"] else None)
+    return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
+            "choices": [{"index": k, "delta": delta, "finish_reason": _reason(reason),
+                         "logprobs": logprobs}]}
