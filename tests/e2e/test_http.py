@@ -1,0 +1,145 @@
+"""The OpenAI-compatible HTTP API, driven by the official `openai` package, unmodified."""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+
+import openai
+import pytest
+
+from actors.model_runner.builtin import ensure_builtin
+from protocol.client import Client
+from tests.e2e.graph import Graph
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def graph(model_cache):
+    ensure_builtin("qwen3-tiny", cache_dir=model_cache, progress=False)
+    g = Graph("model.builtin=qwen3-tiny")
+    yield g
+    assert g.stop() == 0
+
+
+@pytest.fixture(scope="module")
+def api(graph):
+    return openai.OpenAI(base_url=graph.http + "/v1", api_key="unused", max_retries=0)
+
+
+def test_completion_equals_the_zmq_reply_with_usage(graph, api):
+    r = api.completions.create(model="qwen3-tiny", prompt="The capital of France is",
+                               max_tokens=12, temperature=0)
+    with Client(graph.address, timeout=60) as c:
+        z = c.generate("The capital of France is", max_new_tokens=12)
+    assert r.object == "text_completion" and r.choices[0].text == z.text
+    assert r.choices[0].finish_reason == z.finish_reason
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (z.prompt_tokens, 12)
+    assert r.usage.total_tokens == z.prompt_tokens + 12
+    # The second identical prompt hits the prefix cache.
+    again = api.completions.create(model="qwen3-tiny", prompt="The capital of France is",
+                                   max_tokens=12, temperature=0)
+    assert again.usage.prompt_tokens_details.cached_tokens > 0
+    assert again.choices[0].text == r.choices[0].text
+
+
+def test_chat_stream_concatenates_to_the_whole_reply_and_reports_usage(api):
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "你好 🎉"}]
+    whole = api.chat.completions.create(model="qwen3-tiny", messages=msgs, max_tokens=16,
+                                        temperature=0)
+    chunks = list(api.chat.completions.create(model="qwen3-tiny", messages=msgs, max_tokens=16,
+                                              temperature=0, stream=True,
+                                              stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert whole.choices[0].message.role == "assistant"
+    assert text == whole.choices[0].message.content
+    assert chunks[0].choices[0].delta.role == "assistant"
+    finals = [c.choices[0].finish_reason for c in chunks if c.choices and
+              c.choices[0].finish_reason]
+    assert finals == [whole.choices[0].finish_reason]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == \
+        whole.usage.completion_tokens
+
+
+def test_n_choices_and_stop_strings(api):
+    r = api.completions.create(model="qwen3-tiny", prompt="Once upon a time", max_tokens=8,
+                               temperature=0, n=3)
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    assert len({c.text for c in r.choices}) == 1  # greedy: the same three times
+    assert r.usage.completion_tokens == 3 * 8
+    text = r.choices[0].text
+    stop = text[len(text) // 2: len(text) // 2 + 3]
+    assert stop.strip(), text
+    cut = api.completions.create(model="qwen3-tiny", prompt="Once upon a time", max_tokens=8,
+                                 temperature=0, stop=[stop])
+    assert cut.choices[0].finish_reason == "stop"
+    assert cut.choices[0].text == text[:text.index(stop)]
+
+
+def test_models_health_metrics(graph, api):
+    assert [m.id for m in api.models.list().data] == ["qwen3-tiny"]
+    import urllib.request
+    with urllib.request.urlopen(graph.http + "/health") as h:
+        assert h.status == 200
+    with urllib.request.urlopen(graph.http + "/metrics") as h:
+        body = h.read().decode()
+    for name in ("mas:time_to_first_token_seconds_bucket", "mas:inter_token_latency_seconds",
+                 "mas:num_requests_running", "mas:prompt_tokens_total",
+                 "mas:generation_tokens_total", "mas:prefix_cache_hit_rate"):
+        assert name in body, name
+    total = [line for line in body.splitlines() if line.startswith("mas:generation_tokens_total")]
+    assert float(total[0].split()[-1]) > 0
+
+
+def test_bad_requests_get_400_in_the_openai_shape(api):
+    with pytest.raises(openai.BadRequestError) as e:
+        api.completions.create(model="qwen3-tiny", prompt="hi", max_tokens=4, temperature=5)
+    assert "temperature" in str(e.value)
+    with pytest.raises(openai.BadRequestError) as e:
+        api.completions.create(model="qwen3-tiny", prompt="", max_tokens=4)
+    assert "empty prompt" in str(e.value)
+    with pytest.raises(openai.BadRequestError) as e:
+        api.completions.create(model="qwen3-tiny", prompt="hi", max_tokens=4,
+                               logit_bias={"999999999": 1.0})
+    assert "logit_bias" in str(e.value)
+    ok = api.completions.create(model="qwen3-tiny", prompt="hi", max_tokens=2, temperature=0)
+    assert ok.usage.completion_tokens == 2
+
+
+def test_a_client_that_disconnects_mid_stream_frees_its_row(graph):
+    host, port = graph.http[len("http://"):].split(":")
+    body = json.dumps({"model": "qwen3-tiny", "prompt": "Tell me a long story",
+                       "max_tokens": 3000, "ignore_eos": True, "stream": True}).encode()
+    with socket.create_connection((host, int(port)), timeout=30) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+                  b"\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+        got = b""
+        while b"data:" not in got:  # streaming has begun
+            got += s.recv(4096)
+    found = graph.wait_for("request.client_gone", timeout=20)
+    assert found, "the server did not notice the client leaving"
+    rid = found[-1]["rid"]
+    ended = graph.wait_for("request.ended", timeout=20, rid=rid)
+    assert ended and ended[0]["reason"] == "abort" and ended[0]["completion_tokens"] < 3000
+    deadline = time.monotonic() + 20
+    while not graph.events("scheduler.idle") and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert graph.events("scheduler.idle") and not graph.events("scheduler.leak")
+
+
+def test_api_key_guards_every_route_but_health(model_cache):
+    g = Graph("model.builtin=qwen3-tiny", "server.api_key=sekrit")
+    try:
+        bad = openai.OpenAI(base_url=g.http + "/v1", api_key="wrong", max_retries=0)
+        with pytest.raises(openai.AuthenticationError):
+            bad.models.list()
+        good = openai.OpenAI(base_url=g.http + "/v1", api_key="sekrit", max_retries=0)
+        assert good.completions.create(model="qwen3-tiny", prompt="hi", max_tokens=2,
+                                       temperature=0).usage.completion_tokens == 2
+        import urllib.request
+        with urllib.request.urlopen(g.http + "/health") as h:
+            assert h.status == 200
+    finally:
+        assert g.stop() == 0
