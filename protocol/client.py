@@ -85,11 +85,14 @@ class Client:
     def generate(self, prompt: str | list[int] | list[dict] | None = None, *,
                  max_new_tokens: int = 128, temperature: float = 0.0, stream: bool = False,
                  stop_token_ids: list[int] = (), ignore_eos: bool = False,
-                 req_id: str | None = None) -> Result | Iterator[str | Result]:
-        """prompt: text, token ids, or chat messages ([{"role": ..., "content": ...}])."""
+                 req_id: str | None = None, **sampling: Any) -> Result | Iterator[str | Result]:
+        """prompt: text, token ids, or chat messages ([{"role": ..., "content": ...}]).
+        sampling: any other GenerateRequest field (top_p, top_k, min_p, seed, stop,
+        min_new_tokens, logit_bias, repetition/frequency/presence_penalty, logprobs,
+        top_logprobs)."""
         req = _request(prompt, req_id, max_new_tokens=max_new_tokens, temperature=temperature,
                        stream=stream, stop_token_ids=list(stop_token_ids),
-                       ignore_eos=ignore_eos)
+                       ignore_eos=ignore_eos, **sampling)
         self._forget_old_events()
         self.sock.send(_encoder.encode(req))
         replies = self._replies(req.req_id)

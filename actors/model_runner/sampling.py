@@ -1,16 +1,309 @@
-"""Token selection for a batch of rows, inside MLX (no per-row Python on the hot path)."""
+"""Per-request token selection for a batch of rows, vectorized in MLX.
+
+`Sampler.sample(rows, logits)` applies, per row and in this order:
+1. penalties over the row's history: repetition first (HF: over prompt + generated tokens, a
+   positive logit is divided by p, a negative one multiplied), then frequency and presence
+   (OpenAI: generated tokens only, `logit -= f * count + p * (count > 0)`);
+2. logit_bias, added;
+3. stop_ids at -inf while fewer than min_new_tokens tokens were generated;
+4. greedy rows (temperature 0) take the argmax. Sampled rows are divided by their temperature,
+   then filtered: top_k, top_p (on the top_k-renormalized distribution), min_p; then one
+   Gumbel-max draw, an exact sample from the softmax of what is left.
+The chosen token joins the row's history, so the next call sees it.
+
+Logprobs are the model's raw distribution, vLLM's default: log_softmax of the logits exactly as
+passed in, before every step above, so they do not depend on the sampling parameters.
+
+Seeds: a seeded row's i-th generated token uses Gumbel noise from `row_key(seed, i)` alone, so it
+is the same whatever rows share the batch, in any order, at any step.
+"""
 
 from __future__ import annotations
 
+import os
+from dataclasses import dataclass
+from typing import Sequence
+
 import mlx.core as mx
+import numpy as np
+
+MAX_TOP_LOGPROBS = 20
+_U64 = (1 << 64) - 1
+
+
+@dataclass(frozen=True)
+class RowParams:
+    temperature: float = 0.0  # 0 = greedy (argmax)
+    top_p: float = 1.0  # nucleus: smallest set with cumulative prob >= top_p
+    top_k: int = 0  # 0 = off
+    min_p: float = 0.0  # drop tokens with prob < min_p * max prob
+    repetition_penalty: float = 1.0  # HF, over prompt + generated tokens
+    frequency_penalty: float = 0.0  # OpenAI, over generated tokens only
+    presence_penalty: float = 0.0  # OpenAI, over generated tokens only
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    seed: int = -1  # >= 0: reproducible draws
+    min_new_tokens: int = 0  # until reached, stop_ids get -inf
+    stop_ids: tuple[int, ...] = ()
+    top_logprobs: int = 0  # 0..20 alternatives to report
+    logprobs: bool = False  # report the chosen token's logprob
+
+
+@dataclass
+class Sampled:
+    tokens: list[int]
+    logprobs: list[float] | None  # raw log_softmax at the chosen id, every row; None: none asked
+    top_ids: list[list[int]] | None  # per row, its top_logprobs best ids, best first
+    top_logprobs: list[list[float]] | None
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _U64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _U64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _U64
+    return x ^ (x >> 31)
+
+
+def row_key(seed: int, index: int) -> mx.array:
+    """The PRNG key of a seeded row's `index`-th generated token. MLX has no fold_in and splitting
+    a key `index` times costs O(index) per step, so (seed, index) is hashed (splitmix64, a
+    bijection) into the 64-bit seed of a fresh threefry key."""
+    return mx.random.key(_splitmix64(_splitmix64(seed & _U64) ^ index))
+
+
+NUCLEUS_WIDTH = 1024  # top_p looks for its nucleus among this many best tokens first
+
+
+def apply_filters(x: mx.array, top_k: np.ndarray, top_p: np.ndarray,
+                  min_p: np.ndarray) -> mx.array:
+    """Tempered logits [n, V] with the tokens that top_k / top_p / min_p drop set to -inf.
+    Per row: top_k 0, top_p 1 and min_p 0 are off. Each filter keeps a set of best tokens, so
+    the result is `x >= threshold` for the highest of the per-row thresholds; min_p needs only
+    the max (p >= min_p * p_max <=> x >= x_max + log min_p). A full sort of V costs ~10x a
+    top-k on CPU, so top_k and top_p sort only the best max(k, NUCLEUS_WIDTH) values; rows
+    whose nucleus is wider (a flat distribution) are sorted in full after one host sync."""
+    n, vocab = x.shape
+    k = np.where(top_k > 0, np.minimum(top_k, vocab), vocab)
+    # top_p 1 keeps all (2 > 1), even where rounding takes the better tokens' mass to 1 early.
+    p = np.where(top_p < 1, top_p, 2.0).astype(np.float32)
+    with np.errstate(divide="ignore"):
+        floor = mx.array(np.log(min_p.astype(np.float32)))[:, None]  # log 0 = -inf: off
+    thresh = mx.max(x, axis=-1, keepdims=True) + floor
+    if (p < 1).any() or (k < vocab).any():
+        width = max(int(k[k < vocab].max(initial=0)), NUCLEUS_WIDTH if (p < 1).any() else 0)
+        cut, fits = _sorted_cut(x, k, p, min(width, vocab))
+        if not fits.all():
+            redo = np.flatnonzero(~fits)
+            at = mx.array(redo)
+            cut[at] = _sorted_cut(x[at], k[redo], p[redo], vocab)[0]
+        thresh = mx.maximum(thresh, cut)
+    # Ties with a threshold are kept: a filter may keep a few more equal-logit tokens.
+    return mx.where(x >= thresh, x, -mx.inf)
+
+
+def _sorted_cut(x: mx.array, k: np.ndarray, p: np.ndarray,
+                width: int) -> tuple[mx.array, np.ndarray]:
+    """The top_k / top_p threshold [n, 1] from each row's `width` best values, and whether each
+    row's nucleus lies within them (known only after a host sync, taken only when needed)."""
+    n, vocab = x.shape
+    s = -mx.sort(-(x if width == vocab else mx.topk(x, width, axis=-1)), axis=-1)  # descending
+    kc = mx.array(k)[:, None]
+    kth = mx.take_along_axis(s, mx.array(np.minimum(k, width) - 1)[:, None], axis=-1)
+    cut = mx.where(kc <= width, kth, -mx.inf)  # k past the width: this row's top_k is off
+    if (p > 1).all():
+        return cut, np.ones(n, bool)
+    # top_p sees the distribution top_k left, renormalized over all that top_k keeps.
+    lse = mx.logsumexp(mx.where(x >= cut, x, -mx.inf), axis=-1, keepdims=True)
+    probs = mx.exp(mx.where(mx.arange(width)[None] < kc, s, -mx.inf) - lse)
+    better = mx.cumsum(probs, axis=-1, inclusive=False)  # mass of the better tokens
+    keep = mx.sum(better < mx.array(p)[:, None], axis=-1, keepdims=True)  # >= 1: better[0] = 0
+    cut = mx.maximum(cut, mx.take_along_axis(s, keep - 1, axis=-1))
+    if width == vocab:
+        return cut, np.ones(n, bool)
+    mass = better[:, -1] + probs[:, -1]  # of all `width` values: the nucleus fits if >= p
+    return cut, np.array(mass >= mx.array(p)) | (p > 1)
+
+
+def _check(params: RowParams, vocab: int) -> None:
+    p = params
+    ids = [i for i, _ in p.logit_bias] + list(p.stop_ids)
+    problems = [
+        (p.temperature < 0, "temperature < 0"), (not 0 < p.top_p <= 1, "top_p not in (0, 1]"),
+        (p.top_k < 0, "top_k < 0"), (not 0 <= p.min_p <= 1, "min_p not in [0, 1]"),
+        (p.repetition_penalty <= 0, "repetition_penalty <= 0"),
+        (not 0 <= p.top_logprobs <= MAX_TOP_LOGPROBS, "top_logprobs not in [0, 20]"),
+        (any(not 0 <= i < vocab for i in ids), "token id outside the vocabulary"),
+    ]
+    bad = [why for failed, why in problems if failed]
+    if bad:
+        raise ValueError(f"bad sampling params: {', '.join(bad)}")
+
+
+class Sampler:
+    """Per-row params and history for request-pool rows 0..max_rows (the runner's row 0 is
+    padding). Rows in one `sample` call are distinct."""
+
+    def __init__(self, vocab_size: int, max_rows: int, seed: int | None = None):
+        self.vocab = vocab_size
+        self.params: dict[int, RowParams] = {}
+        n = max_rows + 1
+        # numpy columns make the per-call fast-path test a few vectorized lookups.
+        self.live = np.zeros(n, bool)
+        self.plain = np.zeros(n, bool)  # greedy, no penalty, no bias, no logprobs
+        self.generated = np.zeros(n, np.int64)  # tokens generated so far
+        self.mask_until = np.zeros(n, np.int64)  # stop_ids masked while generated < this
+        # Dense histories only for rows with a penalty: [V] float32 counts of generated tokens,
+        # and [V] bool prompt tokens where the repetition penalty is on.
+        self.counts: dict[int, mx.array] = {}
+        self.prompt_seen: dict[int, mx.array] = {}
+        # Unseeded rows draw from this key, advanced every call (reproducible only in tests).
+        self.key = mx.random.key(seed if seed is not None
+                                 else int.from_bytes(os.urandom(8), "little"))
+        self.full_calls = 0  # calls that took the full path (tests check the fast path)
+
+    def admit(self, row: int, params: RowParams, prompt: Sequence[int],
+              output: Sequence[int] = ()) -> None:
+        """(Re)set the row. `output`: tokens it already generated (a resumed request), so its
+        penalties, min_new_tokens and seeded draws go on where they stopped."""
+        _check(params, self.vocab)
+        p = params
+        penalized = p.repetition_penalty != 1 or p.frequency_penalty or p.presence_penalty
+        self.params[row] = p
+        self.live[row] = True
+        self.plain[row] = not (p.temperature > 0 or penalized or p.logit_bias or p.logprobs
+                               or p.top_logprobs)
+        self.generated[row] = len(output)
+        self.mask_until[row] = p.min_new_tokens if p.stop_ids else 0
+        self.counts.pop(row, None)
+        self.prompt_seen.pop(row, None)
+        if penalized:
+            out = np.asarray(output, np.int64)
+            self.counts[row] = mx.array(np.bincount(out, minlength=self.vocab).astype(np.float32))
+            if p.repetition_penalty != 1:
+                seen = np.zeros(self.vocab, bool)
+                seen[np.asarray(prompt, np.int64)] = True
+                self.prompt_seen[row] = mx.array(seen)
+
+    def release(self, row: int) -> None:
+        self.params.pop(row, None)
+        self.counts.pop(row, None)
+        self.prompt_seen.pop(row, None)
+        self.live[row] = False
+
+    def sample(self, rows: list[int], logits: mx.array) -> Sampled:
+        """logits [len(rows), V] for those rows, in that order."""
+        idx = np.asarray(rows, np.int64)
+        if logits.shape != (len(rows), self.vocab):
+            raise ValueError(f"logits {logits.shape} for {len(rows)} rows x {self.vocab}")
+        if not self.live[idx].all():
+            raise KeyError(f"rows {[r for r in rows if not self.live[r]]} were not admitted")
+        if self.plain[idx].all() and (self.generated[idx] >= self.mask_until[idx]).all():
+            tokens = mx.argmax(logits, axis=-1).tolist()  # plain greedy: one argmax, no copies
+            self.generated[idx] += 1
+            return Sampled(tokens, None, None, None)
+        return self._sample_full(rows, idx, logits)
+
+    def process(self, rows: list[int], logits: mx.array) -> mx.array:
+        """Steps 1-3 of the module docstring from the rows' current history: float32 logits
+        [n, V] before temperature. Changes nothing."""
+        x = logits.astype(mx.float32)
+        ps = [self.params[r] for r in rows]
+        pen = [i for i, r in enumerate(rows) if r in self.counts]
+        if pen:
+            at = mx.array(pen)
+            sub = x[at]
+            counts = mx.stack([self.counts[rows[i]] for i in pen])
+            seen = counts > 0
+            if any(rows[i] in self.prompt_seen for i in pen):
+                none = mx.zeros((self.vocab,), mx.bool_)
+                seen = seen | mx.stack([self.prompt_seen.get(rows[i], none) for i in pen])
+            rep, freq, pres = (_col([getattr(ps[i], f) for i in pen]) for f in
+                               ("repetition_penalty", "frequency_penalty", "presence_penalty"))
+            sub = mx.where(seen, mx.where(sub > 0, sub / rep, sub * rep), sub)
+            sub = sub - freq * counts - pres * (counts > 0)
+            x[at] = sub
+        bias = [(i, t, v) for i, p in enumerate(ps) for t, v in p.logit_bias]
+        if bias:
+            r, t, v = zip(*bias)
+            x = x.at[mx.array(r), mx.array(t)].add(mx.array(v, mx.float32))
+        masked = [(i, t) for i, (row, p) in enumerate(zip(rows, ps))
+                  if self.generated[row] < self.mask_until[row] for t in p.stop_ids]
+        if masked:
+            r, t = zip(*masked)
+            x[mx.array(r), mx.array(t)] = -mx.inf
+        return x
+
+    def _sample_full(self, rows: list[int], idx: np.ndarray, logits: mx.array) -> Sampled:
+        self.full_calls += 1
+        ps = [self.params[r] for r in rows]
+        x = self.process(rows, logits)
+        tokens = mx.argmax(x, axis=-1)  # the filters never drop the max: greedy = argmax here
+        drawn = [i for i, p in enumerate(ps) if p.temperature > 0]
+        if drawn:
+            at = mx.array(drawn)
+            xs = x[at] / _col([ps[i].temperature for i in drawn])
+            xs = apply_filters(xs, np.array([ps[i].top_k for i in drawn]),
+                               np.array([ps[i].top_p for i in drawn]),
+                               np.array([ps[i].min_p for i in drawn]))
+            noise = self._noise([rows[i] for i in drawn], [ps[i] for i in drawn])
+            tokens[at] = mx.argmax(xs + noise, axis=-1)
+        out = [tokens]
+        want = any(p.logprobs or p.top_logprobs for p in ps)
+        kmax = min(max(p.top_logprobs for p in ps), self.vocab)
+        if want:
+            raw = logits.astype(mx.float32)
+            lp = raw - mx.logsumexp(raw, axis=-1, keepdims=True)
+            out.append(mx.take_along_axis(lp, tokens[:, None].astype(mx.int32), axis=-1)[:, 0])
+        if kmax:
+            top = mx.argpartition(-lp, kth=kmax - 1, axis=-1)[:, :kmax]
+            vals = mx.take_along_axis(lp, top, axis=-1)
+            order = mx.argsort(-vals, axis=-1)
+            out += [mx.take_along_axis(top, order, axis=-1), mx.take_along_axis(vals, order, axis=-1)]
+        mx.eval(out)
+        token_list = tokens.tolist()
+        self._record(rows, idx, token_list)
+        chosen = out[1].tolist() if want else None
+        top_ids = top_lps = None
+        if kmax:
+            ids, vals = out[2].tolist(), out[3].tolist()
+            top_ids = [ids[i][:p.top_logprobs] for i, p in enumerate(ps)]
+            top_lps = [vals[i][:p.top_logprobs] for i, p in enumerate(ps)]
+        return Sampled(token_list, chosen, top_ids, top_lps)
+
+    def _noise(self, rows: list[int], ps: list[RowParams]) -> mx.array:
+        """Gumbel noise [n, V], one row per drawn row, in order. Seeded rows each draw from
+        their own key; the others share one draw from the advancing key."""
+        free = [i for i, p in enumerate(ps) if p.seed < 0]
+        seeded = [i for i, p in enumerate(ps) if p.seed >= 0]
+        parts = []
+        if free:
+            self.key, sub = mx.random.split(self.key)
+            parts.append(mx.random.gumbel((len(free), self.vocab), key=sub))
+        parts += [mx.random.gumbel((1, self.vocab),
+                                   key=row_key(ps[i].seed, int(self.generated[rows[i]])))
+                  for i in seeded]
+        noise = parts[0] if len(parts) == 1 else mx.concatenate(parts)
+        order = free + seeded  # noise row j belongs to drawn row order[j]
+        if order != sorted(order):
+            noise = noise[mx.array(np.argsort(order))]
+        return noise
+
+    def _record(self, rows: list[int], idx: np.ndarray, tokens: list[int]) -> None:
+        self.generated[idx] += 1
+        for row, token in zip(rows, tokens):
+            if row in self.counts:
+                self.counts[row] = self.counts[row].at[token].add(1.0)
+
+
+def _col(values: list[float]) -> mx.array:
+    return mx.array(values, mx.float32)[:, None]
 
 
 def sample_tokens(logits: mx.array, temperatures: list[float]) -> mx.array:
-    """logits [rows, vocab] -> int32 tokens [rows]. Temperature 0 is greedy (argmax)."""
+    """Backward compatible: logits [rows, vocab] -> int32 tokens [rows]; temperature 0 is greedy.
+    Unseeded, no filters, no history; draws from MLX's global generator."""
     greedy = mx.argmax(logits, axis=-1).astype(mx.int32)
     if not any(t > 0 for t in temperatures):
         return greedy
-    temps = mx.array([t if t > 0 else 1.0 for t in temperatures], dtype=logits.dtype)
+    temps = mx.array([t if t > 0 else 1.0 for t in temperatures], dtype=mx.float32)
     drawn = mx.random.categorical(logits.astype(mx.float32) / temps[:, None]).astype(mx.int32)
-    use_greedy = mx.array([t <= 0 for t in temperatures])
-    return mx.where(use_greedy, greedy, drawn)
+    return mx.where(mx.array([t <= 0 for t in temperatures]), greedy, drawn)
