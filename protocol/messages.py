@@ -86,6 +86,9 @@ class GenerateRequest(ClientWire, tag=_tag("GenerateRequest")):
     min_new_tokens: Annotated[int, Meta(ge=0)] = 0
     logprobs: bool = False  # the chosen tokens' logprobs
     top_logprobs: Annotated[int, Meta(ge=0, le=20)] = 0  # and this many alternatives each
+    # Requests of one group share one prompt (n choices): its prefill runs once, the others
+    # wait for it and reuse it through the prefix cache.
+    group: str = ""
 
 
 class AbortRequest(ClientWire, tag=_tag("AbortRequest")):
@@ -161,6 +164,7 @@ class TokenizedRequest(Wire, tag=_tag("TokenizedRequest")):
     rid: str
     input_ids: bytes  # int32, native byte order
     params: SamplingParams
+    group: str = ""
 
 
 class Abort(Wire, tag=_tag("Abort")):

@@ -115,12 +115,14 @@ def _sorted_cut(x: mx.array, k: np.ndarray, p: np.ndarray,
     lse = mx.logsumexp(mx.where(x >= cut, x, -mx.inf), axis=-1, keepdims=True)
     probs = mx.exp(mx.where(mx.arange(width)[None] < kc, s, -mx.inf) - lse)
     better = mx.cumsum(probs, axis=-1, inclusive=False)  # mass of the better tokens
-    keep = mx.sum(better < mx.array(p)[:, None], axis=-1, keepdims=True)  # >= 1: better[0] = 0
-    cut = mx.maximum(cut, mx.take_along_axis(s, keep - 1, axis=-1))
+    pc = mx.array(p)[:, None]
+    keep = mx.sum(better < pc, axis=-1, keepdims=True)  # >= 1: better[0] = 0
+    nucleus = mx.take_along_axis(s, keep - 1, axis=-1)  # past the width where top_p is off
+    cut = mx.where(pc < 1, mx.maximum(cut, nucleus), cut)
     if width == vocab:
         return cut, np.ones(n, bool)
     mass = better[:, -1] + probs[:, -1]  # of all `width` values: the nucleus fits if >= p
-    return cut, np.array(mass >= mx.array(p)) | (p > 1)
+    return cut, np.array(mass >= pc[:, 0]) | (p > 1)
 
 
 def _check(params: RowParams, vocab: int) -> None:

@@ -53,7 +53,8 @@ class SchedulerActor:
                 match msg:
                     case m.TokenizedRequest():
                         self.arrival[msg.rid] = time.monotonic()
-                        out.merge(self.core.add(msg.rid, unpack_ids(msg.input_ids), msg.params))
+                        out.merge(self.core.add(msg.rid, unpack_ids(msg.input_ids), msg.params,
+                                                group=msg.group))
                     case m.Abort():
                         self.log.info("request.abort", rid=msg.rid)
                         out.merge(self.core.abort(msg.rid))

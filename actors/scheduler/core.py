@@ -37,6 +37,7 @@ class Request:
     lock: object = None  # the radix node this request holds locked
     state: int = -1  # live recurrent-state slot (hybrid models)
     cached: int = 0  # prompt tokens reused from the prefix cache at admission
+    group: str = ""  # n choices of one prompt: prefilled once, shared through the cache
     output: list[int] = field(default_factory=list)
     fill: list[int] = field(default_factory=list)  # what admission prefills: prompt (+ output)
     filled: int = 0  # tokens of `fill` that built steps prefill
@@ -125,7 +126,8 @@ class Scheduler:
 
     # -- inputs ------------------------------------------------------------------------------
 
-    def add(self, rid: str, prompt: list[int], params: m.SamplingParams) -> Outputs:
+    def add(self, rid: str, prompt: list[int], params: m.SamplingParams,
+            group: str = "") -> Outputs:
         if rid in self.requests:
             return self._reject(rid, len(prompt), f"duplicate request id {rid!r}")
         if len(prompt) >= self.context_length:
@@ -139,7 +141,7 @@ class Scheduler:
         if len(self.queue) >= self.max_queued:
             return self._reject(rid, len(prompt), f"queue full ({self.max_queued} requests "
                                 "waiting); retry later", code=503)
-        req = Request(rid, prompt, params, next(self._order), fill=list(prompt))
+        req = Request(rid, prompt, params, next(self._order), fill=list(prompt), group=group)
         self.requests[rid] = req
         self.queue.append(req)
         return self.take()
@@ -187,6 +189,8 @@ class Scheduler:
             budget -= self._prefill_chunk(req, budget, add_row, ids)
         while budget > 0 and self.queue and self.rows.available:
             req = self.queue[0]
+            if self._sibling_prefilling(req):
+                break  # its prompt is being computed for a sibling: wait, then reuse it
             row = self.rows.alloc()
             if not self.memory.admit(req, row, self._reserve(self._left(req))):
                 self.rows.free(row)
@@ -249,6 +253,8 @@ class Scheduler:
 
     def _prefill_chunk(self, req: Request, budget: int, add_row, ids: list[int]) -> int:
         n = min(len(req.fill) - req.filled, budget)
+        if req.group and self.memory.tree is not None and n == len(req.fill) - req.filled > 1:
+            n -= 1  # end a chunk at the prompt's last token: siblings resume from there
         if self.snapshot_interval:
             n = min(n, self.snapshot_interval - req.filled % self.snapshot_interval)
         if n <= 0:
@@ -261,6 +267,14 @@ class Scheduler:
         if last:
             req.sampled += 1
         return n
+
+    def _sibling_prefilling(self, req: Request) -> bool:
+        """With the prefix cache on, a request of a group waits while a sibling is still
+        computing the shared prompt (cached once its chunk before the last token is done)."""
+        if not req.group or self.memory.tree is None:
+            return False
+        return any(r.group == req.group and self._active(r) and r.tree_len < len(r.fill) - 1
+                   for r in self.running)
 
     def _decodable(self) -> list[Request]:
         """Running requests that get a decode row in the next step, after retracting the ones

@@ -101,7 +101,9 @@ class Frontend:
                       max_new_tokens=req.max_new_tokens, stream=req.stream)
         self.by_client[(identity, req.req_id)] = rid
         params = sampling_params(req)
-        return [], [m.TokenizedRequest(rid=rid, input_ids=pack_ids(ids), params=params)]
+        group = f"{identity.hex()}/{req.group}" if req.group else ""
+        return [], [m.TokenizedRequest(rid=rid, input_ids=pack_ids(ids), params=params,
+                                       group=group)]
 
     def _check_params(self, req: m.GenerateRequest) -> str:
         """What the schema cannot say: ids against this model's vocabulary, and relations

@@ -98,7 +98,8 @@ def _requests(c: _Common, max_new: int, prompt: dict[str, Any], logprobs: bool,
         # n choices of one seeded request: each reproducible, all different.
         seed=None if c.seed is None else c.seed + k, stop=stops,
         stop_token_ids=list(c.stop_token_ids or []), ignore_eos=c.ignore_eos,
-        min_new_tokens=c.min_tokens, logprobs=logprobs, top_logprobs=top, stream=c.stream)
+        min_new_tokens=c.min_tokens, logprobs=logprobs, top_logprobs=top, stream=c.stream,
+        group=base if c.n > 1 else "")
         for k in range(c.n)]
     include_usage = bool((c.stream_options or {}).get("include_usage"))
     return reqs, {"stream": c.stream, "include_usage": include_usage, "logprobs": logprobs}

@@ -69,6 +69,8 @@ def test_n_choices_and_stop_strings(api):
     assert [c.index for c in r.choices] == [0, 1, 2]
     assert len({c.text for c in r.choices}) == 1  # greedy: the same three times
     assert r.usage.completion_tokens == 3 * 8
+    # The prompt was computed once: the other choices reused it from the prefix cache.
+    assert r.usage.prompt_tokens_details.cached_tokens == r.usage.prompt_tokens - 1
     text = r.choices[0].text
     stop = text[len(text) // 2: len(text) // 2 + 3]
     assert stop.strip(), text

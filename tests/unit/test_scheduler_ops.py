@@ -110,3 +110,28 @@ def test_without_the_prefix_cache_only_clears():
         finish(s, b, token=7)
     assert [k for b in batches for k in kinds(b)] == [m.OP_CLEAR]
     assert s.memory.states.available == 4
+
+
+def test_n_choices_compute_the_prompt_once():
+    s = make(chunk=64)
+    prompt = list(range(1, 21))
+    for k in range(3):
+        s.add(f"c{k}", prompt, P(max_new_tokens=3), group="g")
+    first = s.schedule()
+    # One sibling prefills all but the last prompt token; the others wait for it.
+    assert first.input_lens == [19] and len(first.admit_rows) == 1
+    second = s.schedule()
+    # Built while the first chunk is in flight: the 19 tokens are cached at this chunk
+    # boundary (saved first in the op list), so the siblings join in this very step, each
+    # loading them and computing only the last token, like the leader.
+    assert second.input_lens == [1, 1, 1] and second.start_pos == [19, 19, 19]
+    assert [op.kind for op in second.ops] == [m.OP_KV_SAVE, m.OP_SNAPSHOT, m.OP_KV_LOAD,
+                                              m.OP_COPY, m.OP_KV_LOAD, m.OP_COPY]
+    snapshot = second.ops[1].dst
+    assert all(len(unpack_ids(op.slots)) == 19 for op in second.ops
+               if op.kind in (m.OP_KV_SAVE, m.OP_KV_LOAD))
+    assert all(op.src == snapshot for op in second.ops if op.kind == m.OP_COPY)
+    finish(s, first, token=7)
+    finish(s, second, token=7)
+    run_to_idle(s)
+    assert not any(s.leaks().values())
