@@ -81,10 +81,12 @@ def apply_filters(x: mx.array, top_k: np.ndarray, top_p: np.ndarray,
     the max (p >= min_p * p_max <=> x >= x_max + log min_p). A full sort of V costs ~10x a
     top-k on CPU, so top_k and top_p sort only the best max(k, NUCLEUS_WIDTH) values; rows
     whose nucleus is wider (a flat distribution) are sorted in full after one host sync."""
-    n, vocab = x.shape
+    vocab = x.shape[1]
     k = np.where(top_k > 0, np.minimum(top_k, vocab), vocab)
     # top_p 1 keeps all (2 > 1), even where rounding takes the better tokens' mass to 1 early.
     p = np.where(top_p < 1, top_p, 2.0).astype(np.float32)
+    if not ((p < 1).any() or (k < vocab).any() or (min_p > 0).any()):
+        return x  # temperature alone: nothing to drop
     with np.errstate(divide="ignore"):
         floor = mx.array(np.log(min_p.astype(np.float32)))[:, None]  # log 0 = -inf: off
     thresh = mx.max(x, axis=-1, keepdims=True) + floor
