@@ -215,6 +215,10 @@ class ForwardBatch(Wire, tag=_tag("ForwardBatch")):
     release_rows: list[int] = []
     ops: list[Op] = []
     admit_states: list[int] = []  # hybrid models: each admitted row's live state slot
+    # Per admitted row: how many of its tokens are output already (a retracted request
+    # resumes), and, when its penalties need them, every token so far (int32: prompt + output).
+    admit_generated: list[int] = []
+    admit_tokens: list[bytes] = []
 
 
 class StepResult(Wire, tag=_tag("StepResult")):

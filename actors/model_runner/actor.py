@@ -29,7 +29,8 @@ class MlxThread(threading.Thread):
     def _runner(self, model) -> ModelRunner:
         cfg, info = self.shell.cfg, self.shell.model
         return ModelRunner(model, cfg.scheduler.max_running_requests,
-                           kv_slots=kv_capacity(cfg, info), state_slots=state_capacity(cfg, info))
+                           kv_slots=kv_capacity(cfg, info), state_slots=state_capacity(cfg, info),
+                           vocab_size=info.vocab_size, eos_ids=info.eos_ids)
 
     def run(self) -> None:
         try:

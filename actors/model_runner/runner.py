@@ -24,7 +24,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from protocol import messages as m
 from protocol.codec import unpack_ids
 from actors.model_runner.memory import ATTENTION, LINEAR, KvPool, StatePool, layer_kinds
-from actors.model_runner.sampling import sample_tokens
+from actors.model_runner.sampling import RowParams, Sampler
 
 
 class StepError(RuntimeError):
@@ -32,8 +32,11 @@ class StepError(RuntimeError):
 
 
 class ModelRunner:
-    def __init__(self, model: nn.Module, max_rows: int, kv_slots: int = 0, state_slots: int = 0):
+    def __init__(self, model: nn.Module, max_rows: int, kv_slots: int = 0, state_slots: int = 0,
+                 vocab_size: int = 0, eos_ids: list[int] = ()):
         self.model = model
+        self.eos_ids = tuple(eos_ids)
+        self.sampler = Sampler(vocab_size or self._vocab_width(), max_rows)
         kinds = layer_kinds(model)
         self.attention = [i for i, k in enumerate(kinds) if k == ATTENTION]
         self.linear = [i for i, k in enumerate(kinds) if k == LINEAR]
@@ -41,7 +44,6 @@ class ModelRunner:
         self.states = (StatePool(self._state_shapes(), state_slots)
                        if self.linear and state_slots else None)
         self.token_buf = mx.zeros((max_rows + 1,), dtype=mx.int32)  # row 0 is padding
-        self.temperature = [0.0] * (max_rows + 1)
         self.row_state: dict[int, int] = {}  # row -> its live state slot
         self.prefilling: dict[int, list[Any]] = {}  # row -> per-layer caches, mid-prompt
         self.pending_load: dict[int, list[int]] = {}  # row -> KV slots of its cached prefix
@@ -50,6 +52,21 @@ class ModelRunner:
         # Rows that stopped decoding but are not released yet (finished while a step was in
         # flight, or being retracted): their KV may still be saved for the prefix cache.
         self.parked: dict[int, list[Any]] = {}
+
+    def _vocab_width(self) -> int:
+        return self.model(mx.array([[0]])).shape[-1]
+
+    def _admit(self, row: int, p: m.SamplingParams, generated: int, tokens: bytes) -> None:
+        ids = unpack_ids(tokens)
+        cut = len(ids) - generated if ids else 0
+        stops = (() if p.ignore_eos else self.eos_ids) + tuple(p.stop_token_ids)
+        self.sampler.admit(row, RowParams(
+            temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, min_p=p.min_p,
+            repetition_penalty=p.repetition_penalty, frequency_penalty=p.frequency_penalty,
+            presence_penalty=p.presence_penalty,
+            logit_bias=tuple(zip(p.bias_ids, p.bias_values)), seed=p.seed,
+            min_new_tokens=p.min_new_tokens, stop_ids=stops, top_logprobs=p.top_logprobs,
+            logprobs=p.logprobs), ids[:cut], output=ids[cut:] if ids else [0] * generated)
 
     def _state_shapes(self) -> dict[int, list[tuple[tuple[int, ...], Any]]]:
         """One probe token through a fresh cache tells the shape of each linear layer's state."""
@@ -62,14 +79,16 @@ class ModelRunner:
         for op in batch.ops:
             self._apply(op)
         self._release(batch.release_rows)
-        states = batch.admit_states or [-1] * len(batch.admit_rows)
-        for row, params, state in zip(batch.admit_rows, batch.admit_params, states):
-            self.temperature[row] = params.temperature
+        n = len(batch.admit_rows)
+        for row, params, state, generated, tokens in zip(
+                batch.admit_rows, batch.admit_params, batch.admit_states or [-1] * n,
+                batch.admit_generated or [0] * n, batch.admit_tokens or [b""] * n):
+            self._admit(row, params, generated, tokens)
             if state >= 0:
                 self.row_state[row] = state
         self._keep_decoding([r for r, f in zip(batch.rows, batch.future) if f])
 
-        sampled: dict[int, mx.array] = {}
+        sampled: dict[int, tuple] = {}
         if self.decode_rows:
             sampled.update(self._decode())
         ids = unpack_ids(batch.input_ids)
@@ -84,14 +103,24 @@ class ModelRunner:
                 sampled[row] = token
 
         out_rows = [r for r, s in zip(batch.rows, batch.sample) if s]
+        token_list = [sampled[r][0] for r in out_rows]
         if out_rows:
-            tokens = mx.concatenate([sampled[r].reshape(-1) for r in out_rows])
-            self.token_buf[mx.array(out_rows)] = tokens
-            token_list = tokens.tolist()
-        else:
-            token_list = []
+            self.token_buf[mx.array(out_rows)] = mx.array(token_list, dtype=mx.int32)
+        extra = {}
+        if any(sampled[r][1] is not None for r in out_rows):
+            extra = {"logprobs": [sampled[r][1] or 0.0 for r in out_rows],
+                     "top_ids": [sampled[r][2] or [] for r in out_rows],
+                     "top_logprobs": [sampled[r][3] or [] for r in out_rows]}
         return m.StepResult(step=batch.step, rows=out_rows, tokens=token_list,
-                            forward_s=time.perf_counter() - t0)
+                            forward_s=time.perf_counter() - t0, **extra)
+
+    def _sample(self, rows: list[int], logits: mx.array) -> dict[int, tuple]:
+        """row -> (token, logprob, top ids, top logprobs); the last three None if not asked."""
+        got = self.sampler.sample(rows, logits)
+        return {r: (got.tokens[i], got.logprobs[i] if got.logprobs else None,
+                    got.top_ids[i] if got.top_ids else None,
+                    got.top_logprobs[i] if got.top_logprobs else None)
+                for i, r in enumerate(rows)}
 
     # -- ops -----------------------------------------------------------------------------------
 
@@ -136,6 +165,7 @@ class ModelRunner:
             self.prefilling.pop(row, None)
             self.parked.pop(row, None)
             self.row_state.pop(row, None)
+            self.sampler.release(row)
         gone = set(rows) & set(self.decode_rows)
         if gone:
             self._keep_decoding([r for r in self.decode_rows if r not in gone], park=False)
@@ -169,13 +199,11 @@ class ModelRunner:
         inputs = self.token_buf[rows][:, None]
         logits = self.model(inputs, cache=self.decode_cache)[:, -1, :]
         self._write_states(self.decode_rows, self.decode_cache)
-        temps = [self.temperature[r] for r in self.decode_rows]
-        tokens = sample_tokens(logits, temps)
-        return {r: tokens[i] for i, r in enumerate(self.decode_rows)}
+        return self._sample(self.decode_rows, logits)
 
     # -- prefill -------------------------------------------------------------------------------
 
-    def _prefill(self, row: int, ids: list[int], start: int, sample: bool) -> mx.array | None:
+    def _prefill(self, row: int, ids: list[int], start: int, sample: bool) -> tuple | None:
         cache = self.prefilling.get(row)
         if cache is None or start == 0:
             cache = self._new_prompt_cache(row, start)
@@ -193,7 +221,7 @@ class ModelRunner:
             self.model(mx.array(ids[:-1])[None], cache=cache)
         logits = self.model(mx.array(ids[-1:])[None], cache=cache)
         self._write_states([row], cache)
-        token = sample_tokens(logits[:, -1, :], [self.temperature[row]])
+        token = self._sample([row], logits[:, -1, :])[row]
         del self.prefilling[row]
         self._join_decode(row, cache)
         return token

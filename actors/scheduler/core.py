@@ -24,6 +24,12 @@ from actors.scheduler.pools import RowPool
 QUEUED, RUNNING, DONE = "queued", "running", "done"
 
 
+def _needs_history(p: m.SamplingParams) -> bool:
+    """Penalties read the tokens so far: only then do they travel to the runner."""
+    return (p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0
+            or p.presence_penalty != 0.0)
+
+
 @dataclass(eq=False)
 class Request:
     rid: str
@@ -181,6 +187,8 @@ class Scheduler:
             req.sampled += 1
 
         admit_rows, admit_params, admit_states = [], [], []
+        admit_generated: list[int] = []
+        admit_tokens: list[bytes] = []
         budget = self.chunk
         for req in [r for r in self.running if r.prefilling and self._active(r)]:
             # The chunks so far become a cached prefix others can share (hybrid: with a
@@ -200,6 +208,8 @@ class Scheduler:
             self.running.append(req)
             admit_rows.append(row); admit_params.append(req.params)
             admit_states.append(req.state)
+            admit_generated.append(len(req.output))
+            admit_tokens.append(pack_ids(req.fill) if _needs_history(req.params) else b"")
             budget -= self._prefill_chunk(req, budget, add_row, ids)
 
         ops = self.memory.take_ops()
@@ -212,7 +222,8 @@ class Scheduler:
                                future=future, sample=sample, input_ids=pack_ids(ids),
                                admit_rows=admit_rows, admit_params=admit_params,
                                release_rows=self._released_rows, ops=ops,
-                               admit_states=admit_states if self.memory.states else [])
+                               admit_states=admit_states if self.memory.states else [],
+                               admit_generated=admit_generated, admit_tokens=admit_tokens)
         self._released_rows = []
         self.in_flight.append((batch, carried))
         return batch

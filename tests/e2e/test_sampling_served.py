@@ -1,0 +1,87 @@
+"""Sampling in the continuous batch: seeds reproducible whatever the batch, greedy rows
+untouched by sampled neighbours, logprobs on the ZMQ and HTTP APIs."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+
+import openai
+import pytest
+
+from actors.model_runner.builtin import ensure_builtin
+from protocol.client import AsyncClient
+from tests.e2e.graph import Graph
+from tests.e2e.oracle import Oracle
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def graph(model_cache):
+    ensure_builtin("qwen3-tiny", cache_dir=model_cache, progress=False)
+    g = Graph("model.builtin=qwen3-tiny")
+    yield g
+    assert g.stop() == 0
+
+
+async def _seeded_alone_then_busy(address: str):
+    seeded = dict(max_new_tokens=16, temperature=1.0, top_p=0.9, seed=1234)
+    async with AsyncClient(address) as c:
+        alone = await c.generate("A seeded story:", **seeded)
+        greedy_alone = await c.generate("The capital of France is", max_new_tokens=16)
+        noise = [asyncio.ensure_future(c.generate(f"Noise {k}", max_new_tokens=24,
+                                                  temperature=1.2, top_k=40))
+                 for k in range(4)]
+        await asyncio.sleep(0.05)  # the seeded one lands in a different step of a busy batch
+        busy, greedy_busy = await asyncio.gather(
+            c.generate("A seeded story:", **seeded),
+            c.generate("The capital of France is", max_new_tokens=16))
+        other_seed = await c.generate("A seeded story:", **{**seeded, "seed": 99})
+        await asyncio.gather(*noise)
+    return alone, busy, other_seed, greedy_alone, greedy_busy
+
+
+def test_seeded_and_greedy_requests_ignore_their_neighbours(graph, model_cache):
+    alone, busy, other, greedy_alone, greedy_busy = asyncio.run(
+        asyncio.wait_for(_seeded_alone_then_busy(graph.address), 120))
+    assert busy.token_ids == alone.token_ids
+    assert other.token_ids != alone.token_ids
+    assert greedy_busy.token_ids == greedy_alone.token_ids
+    oracle = Oracle(str(ensure_builtin("qwen3-tiny", cache_dir=model_cache, progress=False)))
+    ids = oracle.tokenizer.encode("The capital of France is")
+    oracle.check(ids, greedy_busy.token_ids, oracle.greedy(ids, 16))
+
+
+async def _logprobs(address: str):
+    async with AsyncClient(address) as c:
+        whole = await c.generate("Hello world", max_new_tokens=6, logprobs=True, top_logprobs=3)
+        stream = await c.generate("Hello world", max_new_tokens=6, logprobs=True,
+                                  top_logprobs=3, stream=True)
+        pieces = [p async for p in stream]
+    return whole, pieces[-1]
+
+
+def test_logprobs_on_zmq_greedy_chosen_is_the_best(graph):
+    whole, streamed = asyncio.run(asyncio.wait_for(_logprobs(graph.address), 60))
+    for r in (whole, streamed):
+        assert len(r.logprobs) == len(r.token_ids) == 6
+        assert all(len(t) == 3 for t in r.top_ids) and all(len(t) == 3 for t in r.top_logprobs)
+        for tok, lp, ids, lps in zip(r.token_ids, r.logprobs, r.top_ids, r.top_logprobs):
+            assert ids[0] == tok and math.isclose(lps[0], lp, abs_tol=1e-5) and lp <= 0
+            assert lps == sorted(lps, reverse=True)
+    assert streamed.logprobs == pytest.approx(whole.logprobs, abs=1e-5)
+
+
+def test_logprobs_on_http(graph):
+    api = openai.OpenAI(base_url=graph.http + "/v1", api_key="x", max_retries=0)
+    r = api.chat.completions.create(model="qwen3-tiny", messages=[{"role": "user", "content": "Hi"}],
+                                    max_tokens=5, temperature=0, logprobs=True, top_logprobs=2)
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens
+    assert all(len(t.top_logprobs) == 2 and t.top_logprobs[0].logprob == pytest.approx(t.logprob)
+               for t in content)
+    c = api.completions.create(model="qwen3-tiny", prompt="Hello", max_tokens=4, temperature=0,
+                               logprobs=2)
+    lp = c.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == 4 and all(len(t) <= 2 for t in lp.top_logprobs)
