@@ -78,6 +78,7 @@ class Client:
         self.ctx = zmq.Context()
         self.sock, self.monitor = _dealer(self.ctx, address)
         self.timeout = timeout
+        self.open_req: str | None = None
         self.poller = zmq.Poller()
         self.poller.register(self.sock, zmq.POLLIN)
         self.poller.register(self.monitor, zmq.POLLIN)
@@ -95,6 +96,7 @@ class Client:
                        ignore_eos=ignore_eos, **sampling)
         self._forget_old_events()
         self.sock.send(_encoder.encode(req))
+        self.open_req = req.req_id
         replies = self._replies(req.req_id)
         if stream:
             return replies
@@ -122,6 +124,8 @@ class Client:
                 reply = _reply_decoder.decode(self.sock.recv())
                 if reply.req_id != req_id and reply.req_id:
                     continue  # a late reply to an earlier, abandoned request
+                if not isinstance(reply, m.Delta):
+                    self.open_req = None
                 piece = _piece(reply, req_id)
                 yield piece
                 if not isinstance(piece, str):
@@ -133,9 +137,12 @@ class Client:
             self.monitor.recv_multipart()
 
     def close(self) -> None:
+        if self.open_req:  # closing mid-request: tell the server, so it frees the row now
+            self.abort(self.open_req)
+            self.open_req = None
         self.sock.disable_monitor()
         self.monitor.close(linger=0)
-        self.sock.close(linger=0)
+        self.sock.close(linger=500)  # an abort just sent must leave
         self.ctx.term()
 
     def __enter__(self) -> "Client":
@@ -213,11 +220,13 @@ class AsyncClient:
                         q.put_nowait(reply)
 
     async def close(self) -> None:
+        for req_id in list(self.waiting):  # closing mid-request: free the server's rows now
+            await self.abort(req_id)
         if self._reader is not None:
             self._reader.cancel()
         self.sock.disable_monitor()
         self.monitor.close(linger=0)
-        self.sock.close(linger=0)
+        self.sock.close(linger=500)  # aborts just sent must leave
         self.ctx.term()
 
     async def __aenter__(self) -> "AsyncClient":

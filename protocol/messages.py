@@ -8,7 +8,7 @@ per field, token ids as int32 bytes.
 
 from __future__ import annotations
 
-from typing import Annotated, Union
+from typing import Annotated, Any, Union
 
 import msgspec
 from msgspec import Meta
@@ -89,6 +89,7 @@ class GenerateRequest(ClientWire, tag=_tag("GenerateRequest")):
     # Requests of one group share one prompt (n choices): its prefill runs once, the others
     # wait for it and reuse it through the prefix cache.
     group: str = ""
+    chat_template_kwargs: dict[str, Any] = {}  # passed to the chat template (with messages)
 
 
 class AbortRequest(ClientWire, tag=_tag("AbortRequest")):

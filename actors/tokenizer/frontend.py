@@ -69,6 +69,8 @@ class Frontend:
         match msg:
             case m.AbortRequest():
                 rid = self.by_client.get((identity, msg.req_id))
+                if rid:
+                    self.log.info("request.client_abort", rid=rid, req_id=msg.req_id)
                 return [], ([m.Abort(rid=rid)] if rid else [])
             case m.GenerateRequest():
                 return self.submit(identity, msg, now)
@@ -133,7 +135,10 @@ class Frontend:
             return list(req.input_ids)
         if req.messages:
             msgs = [{"role": c.role, "content": c.content} for c in req.messages]
-            ids = self.tokenizer.apply_chat_template(msgs)
+            try:
+                ids = self.tokenizer.apply_chat_template(msgs, **req.chat_template_kwargs)
+            except Exception as e:  # a template error is the request's problem, not ours
+                raise ValueError(f"messages: the chat template failed: {e}") from None
         else:
             ids = self.tokenizer.encode(req.prompt)
         if not ids:

@@ -136,7 +136,9 @@ def parse_chat(body: dict[str, Any], model: str) -> tuple[list[m.GenerateRequest
     if not messages:
         raise ApiError(400, "messages must not be empty", "messages")
     max_new = c.max_completion_tokens or c.max_tokens or 4096
-    return _requests(c, max_new, {"messages": messages}, c.logprobs, c.top_logprobs or 0)
+    return _requests(c, max_new, {"messages": messages,
+                                  "chat_template_kwargs": c.chat_template_kwargs or {}},
+                     c.logprobs, c.top_logprobs or 0)
 
 
 @dataclass

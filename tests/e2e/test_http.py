@@ -145,3 +145,18 @@ def test_api_key_guards_every_route_but_health(model_cache):
             assert h.status == 200
     finally:
         assert g.stop() == 0
+
+
+def test_seeded_http_requests_repeat_and_n_seeded_choices_differ(api):
+    kw = dict(model="qwen3-tiny", prompt="Roll the dice:", max_tokens=10, temperature=1.0,
+              seed=42)
+    a = api.completions.create(**kw)
+    b = api.completions.create(**kw)
+    assert a.choices[0].text == b.choices[0].text
+    many = api.completions.create(**kw, n=2)
+    assert many.choices[0].text == a.choices[0].text  # choice k uses seed + k
+    assert many.choices[1].text != many.choices[0].text
+    chat = api.chat.completions.create(
+        model="qwen3-tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=4,
+        temperature=0, extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    assert chat.usage.completion_tokens == 4

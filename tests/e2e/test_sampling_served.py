@@ -85,3 +85,23 @@ def test_logprobs_on_http(graph):
                                logprobs=2)
     lp = c.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == 4 and all(len(t) <= 2 for t in lp.top_logprobs)
+
+
+def test_a_zmq_client_closed_mid_stream_frees_its_row(graph):
+    import time
+
+    from protocol.client import Client
+
+    client = Client(graph.address, timeout=60)
+    stream = client.generate("Tell me a very long story", max_new_tokens=3000, ignore_eos=True,
+                             stream=True)
+    next(stream)
+    client.close()  # the client library aborts what it leaves open
+    found = graph.wait_for("request.client_abort", timeout=20)
+    assert found, "the server did not notice the client leaving"
+    ended = graph.wait_for("request.ended", timeout=20, rid=found[-1]["rid"])
+    assert ended and ended[0]["reason"] == "abort" and ended[0]["completion_tokens"] < 3000
+    deadline = time.monotonic() + 20
+    while not graph.events("scheduler.idle") and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not graph.events("scheduler.leak")
