@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import re
@@ -13,6 +14,20 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
+_LAUNCHED: list[subprocess.Popen] = []
+
+
+@atexit.register
+def _kill_leftovers() -> None:
+    """A test that failed half way leaves its graph running: end it with the test session
+    (SIGINT first, so the launcher takes its actors down, then SIGKILL)."""
+    for proc in _LAUNCHED:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
 
 
 def alive(pid: int) -> bool:
@@ -35,6 +50,7 @@ class Graph:
                 *[a for o in overrides for a in ("--set", o)]]
         self.proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                      text=True, cwd=ROOT)
+        _LAUNCHED.append(self.proc)
         self.records: list[dict] = []
         self.http: str | None = None
         self._stderr = threading.Thread(target=self._read_stderr, daemon=True)
