@@ -9,19 +9,10 @@ import time
 import openai
 import pytest
 
-from actors.model_runner.builtin import ensure_builtin
 from protocol.client import Client
 from tests.e2e.graph import Graph
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def graph(model_cache):
-    ensure_builtin("qwen3-tiny", cache_dir=model_cache, progress=False)
-    g = Graph("model.builtin=qwen3-tiny")
-    yield g
-    assert g.stop() == 0
 
 
 @pytest.fixture(scope="module")

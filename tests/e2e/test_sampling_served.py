@@ -11,18 +11,9 @@ import pytest
 
 from actors.model_runner.builtin import ensure_builtin
 from protocol.client import AsyncClient
-from tests.e2e.graph import Graph
 from tests.e2e.oracle import Oracle
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def graph(model_cache):
-    ensure_builtin("qwen3-tiny", cache_dir=model_cache, progress=False)
-    g = Graph("model.builtin=qwen3-tiny")
-    yield g
-    assert g.stop() == 0
 
 
 async def _seeded_alone_then_busy(address: str):
