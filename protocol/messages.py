@@ -263,6 +263,8 @@ class TokenBatch(Wire, tag=_tag("TokenBatch")):
     # A request's stop strings, in the first TokenBatch that mentions it: the detokenizer holds
     # back text that could be the start of one and trims the one that matched.
     stops: dict[str, list[str]] = {}
+    running: int = 0  # the scheduler's running and queued requests, for /metrics
+    queued: int = 0
 
 
 class TextBatch(Wire, tag=_tag("TextBatch")):
@@ -276,6 +278,8 @@ class TextBatch(Wire, tag=_tag("TextBatch")):
     logprobs: list[float] = []
     top_ids: list[list[int]] = []
     top_logprobs: list[list[float]] = []
+    running: int = 0
+    queued: int = 0
 
 
 class Ready(Wire, tag=_tag("Ready")):

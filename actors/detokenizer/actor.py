@@ -27,7 +27,8 @@ def convert(core: Detokenizer, stops: dict[str, StopTrimmer], batch: m.TokenBatc
             rids.append(fin.rid); texts.append(tail); counts.append(0)
     return m.TextBatch(rids=rids, texts=texts, counts=counts, token_ids=batch.token_ids,
                        finished=batch.finished, logprobs=batch.logprobs, top_ids=batch.top_ids,
-                       top_logprobs=batch.top_logprobs)
+                       top_logprobs=batch.top_logprobs, running=batch.running,
+                       queued=batch.queued)
 
 
 def _trim(stops: dict[str, StopTrimmer], rid: str, text: str) -> str:

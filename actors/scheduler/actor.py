@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import time
 
+import msgspec
+
 from actors.scheduler.core import Outputs, Scheduler
 from actors.shell import Shell, run_actor
 from actors.sizing import kv_capacity, state_capacity
@@ -73,7 +75,9 @@ class SchedulerActor:
             # schedule() ends aborted requests that had nothing in flight.
             out.merge(self.core.take())
             if out:
-                await self.shell.send("detokenizer", out.to_batch())
+                batch = out.to_batch()
+                await self.shell.send("detokenizer", msgspec.structs.replace(
+                    batch, running=len(self.core.running), queued=len(self.core.queue)))
             self._log_outputs(out)
             self._log_cache()
             self._check_idle()

@@ -68,6 +68,7 @@ class TokenizerActor:
             for msg in await self.inbox.recv_all():
                 match msg:
                     case m.TextBatch():
+                        self.metrics.scheduler_load(msg.running, msg.queued)
                         await self._reply(self.front.on_text(msg, time.monotonic()))
                     case m.Shutdown():
                         await self._shutdown(msg)

@@ -38,6 +38,10 @@ class Metrics:
         self.prompt_tokens = self.generation_tokens = self.cached_tokens = 0
         self.finished: dict[str, int] = {}
         self.ttft, self.itl, self.e2e = Histogram(), Histogram(), Histogram()
+        self.running = self.queued = 0  # as the scheduler last reported them
+
+    def scheduler_load(self, running: int, queued: int) -> None:
+        self.running, self.queued = running, queued
 
     def received(self, req_id: str) -> None:
         self.requests += 1
@@ -56,11 +60,15 @@ class Metrics:
         elif isinstance(reply, m.ErrorReply):
             self.finished["error"] = self.finished.get("error", 0) + 1
 
-    def render(self, model: str, running: int) -> str:
+    def render(self, model: str, open_requests: int) -> str:
+        """The scheduler's last counts; zero once nothing is open (its last word may be old)."""
         labels = f'model_name="{model}"'
         hit = self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
         lines = [
-            "# TYPE mas:num_requests_running gauge", f"mas:num_requests_running{{{labels}}} {running}",
+            "# TYPE mas:num_requests_running gauge",
+            f"mas:num_requests_running{{{labels}}} {self.running if open_requests else 0}",
+            "# TYPE mas:num_requests_waiting gauge",
+            f"mas:num_requests_waiting{{{labels}}} {self.queued if open_requests else 0}",
             "# TYPE mas:prompt_tokens_total counter",
             f"mas:prompt_tokens_total{{{labels}}} {self.prompt_tokens}",
             "# TYPE mas:generation_tokens_total counter",

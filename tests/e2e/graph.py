@@ -77,7 +77,9 @@ class Graph:
 
         reader = threading.Thread(target=read, daemon=True)
         reader.start()
-        reader.join(timeout)
+        deadline = time.monotonic() + timeout
+        while reader.is_alive() and self.proc.poll() is None and time.monotonic() < deadline:
+            reader.join(0.2)  # a launcher that died never prints ready: stop waiting then
         if not result:
             self.proc.kill()
             raise RuntimeError(f"graph not ready in {timeout} s: {self.records[-20:]}")

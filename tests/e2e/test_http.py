@@ -151,3 +151,35 @@ def test_seeded_http_requests_repeat_and_n_seeded_choices_differ(api):
         model="qwen3-tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=4,
         temperature=0, extra_body={"chat_template_kwargs": {"enable_thinking": False}})
     assert chat.usage.completion_tokens == 4
+
+
+def test_overload_is_a_503_at_once_and_metrics_show_the_queue(model_cache):
+    import threading
+    import urllib.request
+
+    g = Graph("model.builtin=qwen3-tiny", "scheduler.max_running_requests=1",
+              "scheduler.max_queued_requests=1")
+    try:
+        api = openai.OpenAI(base_url=g.http + "/v1", api_key="x", max_retries=0)
+        long = dict(model="qwen3-tiny", prompt="Go on and on", max_tokens=400,
+                    extra_body={"ignore_eos": True})
+        first = api.completions.create(**long, stream=True)
+        next(iter(first))  # running
+        waiting = threading.Thread(target=lambda: api.completions.create(**long))
+        waiting.start()
+        deadline = time.monotonic() + 20
+        body = ""
+        while "mas:num_requests_waiting{model_name=\"qwen3-tiny\"} 1" not in body:
+            assert time.monotonic() < deadline, body
+            time.sleep(0.2)
+            with urllib.request.urlopen(g.http + "/metrics") as h:
+                body = h.read().decode()
+        t0 = time.monotonic()
+        with pytest.raises(openai.InternalServerError) as e:
+            api.completions.create(model="qwen3-tiny", prompt="one more", max_tokens=4)
+        assert e.value.status_code == 503 and "queue full" in str(e.value)
+        assert time.monotonic() - t0 < 5  # at once, not after the queue drained
+        first.close()
+        waiting.join(120)
+    finally:
+        assert g.stop() == 0
