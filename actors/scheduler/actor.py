@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import time
 
-import msgspec
-
 from actors.scheduler.core import Outputs, Scheduler
 from actors.shell import Shell, run_actor
 from actors.sizing import kv_capacity, state_capacity
@@ -75,9 +73,8 @@ class SchedulerActor:
             # schedule() ends aborted requests that had nothing in flight.
             out.merge(self.core.take())
             if out:
-                batch = out.to_batch()
-                await self.shell.send("detokenizer", msgspec.structs.replace(
-                    batch, running=len(self.core.running), queued=len(self.core.queue)))
+                await self.shell.send("detokenizer", out.to_batch(
+                    running=len(self.core.running), queued=len(self.core.queue)))
             self._log_outputs(out)
             self._log_cache()
             self._check_idle()

@@ -135,7 +135,7 @@ class Memory:
         known = min(req.kv_len, len(req.prompt) + len(req.output))
         if keep and known:
             self.cache_prefix(req, row, known, DONATE if known == req.kv_len else KV_ONLY)
-        own = req.slots[req.tree_len:] if self.tree is not None else req.slots
+        own = req.slots[req.tree_len:]  # tree_len is 0 without the prefix cache
         if own:
             self.slots.free(own)
         if req.lock is not None:

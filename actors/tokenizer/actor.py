@@ -88,20 +88,24 @@ class TokenizerActor:
         self.log.info("tokenizer.shutdown", reason=msg.reason, open=len(self.front.open))
         await self._reply(self.front.fail_all(f"server is shutting down: {msg.reason}"))
 
+    def _route(self, identity: bytes, reply: m.ClientWire) -> bytes | None:
+        """Count the reply; hand HTTP replies to their queue; return the frame for a ZMQ one."""
+        self.metrics.reply(reply)
+        if identity == HTTP_CLIENT:
+            self.http.deliver(reply)
+            return None
+        return encode(reply)
+
     async def _reply(self, replies: list[Reply]) -> None:
         for identity, reply in replies:
-            self.metrics.reply(reply)
-            if identity == HTTP_CLIENT:
-                self.http.deliver(reply)
-            else:
-                await self.router.send_multipart([identity, encode(reply)])
+            if (data := self._route(identity, reply)) is not None:
+                await self.router.send_multipart([identity, data])
 
     def _send_now(self, replies: list[Reply]) -> None:
+        """From synchronous code (the parent-gone hook): never blocks."""
         for identity, reply in replies:
-            if identity == HTTP_CLIENT:
-                self.http.deliver(reply)
-            else:
-                self.router.send_multipart([identity, encode(reply)], zmq.NOBLOCK)
+            if (data := self._route(identity, reply)) is not None:
+                self.router.send_multipart([identity, data], zmq.NOBLOCK)
 
 
 async def serve(shell: Shell) -> None:
