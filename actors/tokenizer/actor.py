@@ -7,6 +7,8 @@ import asyncio
 import time
 
 import zmq
+import zmq.asyncio
+from zmq.utils.monitor import recv_monitor_message
 
 from actors.shell import Shell, run_actor
 from actors.tokenizer.frontend import Frontend, Reply
@@ -27,7 +29,17 @@ class TokenizerActor:
         self.router.setsockopt(zmq.LINGER, 0)
         # A reply to a client that went away is dropped, never an error that stops the actor.
         self.router.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        # A peer that vanished without closing its socket (host down, cable out) is found by
+        # ZMTP heartbeats; a killed process by the kernel closing its connection.
+        self.router.setsockopt(zmq.HEARTBEAT_IVL, 2000)
+        self.router.setsockopt(zmq.HEARTBEAT_TIMEOUT, 10000)
         self.client_address = bind_tcp(self.router, shell.addrs.client)
+        # ROUTER_NOTIFY is draft-only in the wheels, so a lost client is found from the
+        # monitor's DISCONNECTED event, whose value is the connection's fd, and the fd each
+        # message arrived on (SRCFD). fd -> identities seen on it.
+        self.peers = Peers(self.router)
+        # Drained without awaiting after each poll (a sync view of the same socket).
+        self.router_now = zmq.Socket.shadow(self.router.underlying)
         shell.on_parent_gone = lambda: self._send_now(self.front.fail_all("server launcher died"))
         self.metrics = Metrics()
         self.http = HttpFront(self) if shell.cfg.server.http_port >= 0 else None
@@ -49,19 +61,37 @@ class TokenizerActor:
                 for task in side:
                     task.cancel()
         finally:
+            self.peers.close()
             # Linger: the error replies of a shutdown must reach their clients.
             self.router.close(linger=2000)
 
     async def _clients(self) -> None:
+        poller = zmq.asyncio.Poller()
+        poller.register(self.router, zmq.POLLIN)
+        poller.register(self.peers.monitor, zmq.POLLIN)
         while True:
-            frames = await self.router.recv_multipart()
-            replies, forward = self.front.on_client(frames, time.monotonic())
-            for msg in forward:
-                self.metrics.received(msg.rid)
-                await self.shell.send("scheduler", msg)
-            for identity, reply in replies:
-                self.log.info("request.rejected", req_id=reply.req_id, error=reply.message)
-            await self._reply(replies)
+            await poller.poll()
+            # Disconnects first: a closed connection's fd can be reused by a new client whose
+            # messages are already queued; its DISCONNECTED event was queued before them.
+            for identity in self.peers.gone():
+                for msg in self.front.client_gone(identity):
+                    await self.shell.send("scheduler", msg)
+            while (frames := self._recv_client()) is not None:
+                replies, forward = self.front.on_client(frames, time.monotonic())
+                for msg in forward:
+                    self.metrics.received(msg.rid)
+                    await self.shell.send("scheduler", msg)
+                for identity, reply in replies:
+                    self.log.info("request.rejected", req_id=reply.req_id, error=reply.message)
+                await self._reply(replies)
+
+    def _recv_client(self) -> list[bytes] | None:
+        try:
+            frames = self.router_now.recv_multipart(zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            return None
+        self.peers.seen(frames[0])
+        return [f.bytes for f in frames]
 
     async def _inbox(self) -> None:
         while True:
@@ -106,6 +136,33 @@ class TokenizerActor:
         for identity, reply in replies:
             if (data := self._route(identity, reply)) is not None:
                 self.router.send_multipart([identity, data], zmq.NOBLOCK)
+
+
+class Peers:
+    """Which client identities each connection carried, and which identities lost theirs."""
+
+    def __init__(self, router: zmq.Socket):
+        self.router = router
+        self.monitor = router.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self.monitor_now = zmq.Socket.shadow(self.monitor.underlying)
+        self.by_fd: dict[int, set[bytes]] = {}
+
+    def seen(self, identity_frame: zmq.Frame) -> None:
+        self.by_fd.setdefault(identity_frame.get(zmq.SRCFD), set()).add(identity_frame.bytes)
+
+    def gone(self) -> list[bytes]:
+        lost: list[bytes] = []
+        while True:
+            try:
+                event = recv_monitor_message(self.monitor_now, zmq.NOBLOCK)
+            except zmq.Again:
+                return lost
+            if event["event"] == zmq.EVENT_DISCONNECTED:
+                lost += self.by_fd.pop(event["value"], ())
+
+    def close(self) -> None:
+        self.router.disable_monitor()
+        self.monitor.close(linger=0)
 
 
 async def serve(shell: Shell) -> None:

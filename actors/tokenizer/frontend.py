@@ -75,6 +75,16 @@ class Frontend:
             case m.GenerateRequest():
                 return self.submit(identity, msg, now)
 
+    def client_gone(self, identity: bytes) -> list[m.Abort]:
+        """The connection of a ZMQ client closed: abort what it left open (no one is left to
+        read the replies)."""
+        aborts = []
+        for (who, req_id), rid in self.by_client.items():
+            if who == identity:
+                self.log.info("request.client_gone", rid=rid, req_id=req_id)
+                aborts.append(m.Abort(rid=rid))
+        return aborts
+
     def submit(self, identity: bytes, req: m.GenerateRequest,
                now: float) -> tuple[list[Reply], list[Any]]:
         """A decoded request from any front end (ZMQ, HTTP)."""

@@ -96,6 +96,15 @@ class Graph:
             time.sleep(0.05)
         return found
 
+    def idle_again(self, idle_before: int, timeout: float = 20.0) -> bool:
+        """A scheduler.idle record newer than the first `idle_before` ones, and no leak: the
+        scheduler came back to idle with every row, slot and state free."""
+        deadline = time.monotonic() + timeout
+        while len(self.events("scheduler.idle")) <= idle_before and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return len(self.events("scheduler.idle")) > idle_before and not self.events(
+            "scheduler.leak")
+
     def actor_pids(self) -> dict[str, int]:
         deadline = time.monotonic() + 10
         while len(self.events("actor.ready")) < 4 and time.monotonic() < deadline:

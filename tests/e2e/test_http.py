@@ -105,6 +105,7 @@ def test_a_client_that_disconnects_mid_stream_frees_its_row(graph):
     host, port = graph.http[len("http://"):].split(":")
     body = json.dumps({"model": "qwen3-tiny", "prompt": "Tell me a long story",
                        "max_tokens": 3000, "ignore_eos": True, "stream": True}).encode()
+    idle_before = len(graph.events("scheduler.idle"))
     with socket.create_connection((host, int(port)), timeout=30) as s:
         s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
                   b"\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
@@ -116,10 +117,7 @@ def test_a_client_that_disconnects_mid_stream_frees_its_row(graph):
     rid = found[-1]["rid"]
     ended = graph.wait_for("request.ended", timeout=20, rid=rid)
     assert ended and ended[0]["reason"] == "abort" and ended[0]["completion_tokens"] < 3000
-    deadline = time.monotonic() + 20
-    while not graph.events("scheduler.idle") and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert graph.events("scheduler.idle") and not graph.events("scheduler.leak")
+    assert graph.idle_again(idle_before)
 
 
 def test_api_key_guards_every_route_but_health(model_cache):

@@ -4,6 +4,8 @@ Greedy token ids must equal mlx_lm.generate on the same model and prompt."""
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 
 import msgspec
 import pytest
@@ -12,7 +14,7 @@ import zmq
 from actors.model_runner.builtin import ensure_builtin
 from protocol import messages as m
 from protocol.client import AsyncClient, Client, ServerError
-from tests.e2e.graph import Graph
+from tests.e2e.graph import ROOT, Graph
 from tests.e2e.oracle import Oracle
 
 pytestmark = pytest.mark.slow
@@ -117,6 +119,36 @@ def test_abort_of_a_running_request_ends_it_and_others_continue(graph):
     assert final.finish_reason == "abort"
     assert 3 <= final.completion_tokens < 2000
     assert all(o.finish_reason in ("stop", "length") for o in others)
+
+
+KILLED_CLIENT = """
+import sys
+from protocol.client import Client
+client = Client(sys.argv[1], timeout=60)
+for piece in client.generate("Tell me a long story", max_new_tokens=3000, ignore_eos=True,
+                             stream=True, req_id="doomed"):
+    print("streaming", flush=True)
+    break
+sys.stdin.read()  # held open until killed: no close, no abort from the library
+"""
+
+
+def test_a_killed_zmq_client_is_noticed_and_its_row_freed(graph):
+    idle_before = len(graph.events("scheduler.idle"))
+    victim = subprocess.Popen([sys.executable, "-c", KILLED_CLIENT, graph.address],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT)
+    try:
+        assert victim.stdout.readline().strip() == "streaming"
+    finally:
+        victim.kill()
+        victim.wait()
+    found = graph.wait_for("request.client_gone", timeout=20, req_id="doomed")
+    assert found, "the server did not notice the client's connection closing"
+    ended = graph.wait_for("request.ended", timeout=20, rid=found[-1]["rid"])
+    assert ended and ended[0]["reason"] == "abort" and ended[0]["completion_tokens"] < 3000
+    assert graph.idle_again(idle_before)
+    with Client(graph.address, timeout=60) as client:  # and the server serves on
+        assert client.generate("Hello world", max_new_tokens=4).finish_reason == "length"
 
 
 BAD = [
