@@ -41,6 +41,9 @@ class ServerConfig(Section):
     # OpenAI-compatible HTTP API on the same host; 0 picks a free port, -1 turns it off.
     http_port: Annotated[int, Meta(ge=-1, le=65535)] = 8000
     api_key: str = ""  # when set, every HTTP route but /health needs "Authorization: Bearer KEY"
+    # /health with no step finished in the last few seconds sends a one-token probe request
+    # through all four actors; 503 unless it is answered within this many seconds.
+    health_timeout_s: Annotated[float, Meta(gt=0)] = 20.0
 
 
 class SchedulerConfig(Section):

@@ -12,7 +12,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from actors.shell import Shell, run_actor
 from actors.tokenizer.frontend import Frontend, Reply
-from actors.tokenizer.http_front import HTTP_CLIENT, HttpFront
+from actors.tokenizer.http_front import HTTP_CLIENT, PROBE_PREFIX, HttpFront
 from actors.tokenizer.loading import load_tokenizer
 from actors.tokenizer.metrics import Metrics
 from protocol import messages as m
@@ -120,10 +120,12 @@ class TokenizerActor:
 
     def _route(self, identity: bytes, reply: m.ClientWire) -> bytes | None:
         """Count the reply; hand HTTP replies to their queue; return the frame for a ZMQ one."""
-        self.metrics.reply(reply)
         if identity == HTTP_CLIENT:
+            if not reply.req_id.startswith(PROBE_PREFIX):  # health probes are not traffic
+                self.metrics.reply(reply)
             self.http.deliver(reply)
             return None
+        self.metrics.reply(reply)
         return encode(reply)
 
     async def _reply(self, replies: list[Reply]) -> None:

@@ -17,8 +17,10 @@ from protocol import messages as m
 # Every HTTP request is answered through this one pseudo client identity: its req_ids are
 # unique (one per choice), so replies find their queue by req_id.
 HTTP_CLIENT = b"\x00http"
-# With requests open and no progress for this long, /health says 503.
-STALL_S = 30.0
+# A step answered this recently proves every actor alive; older than that, /health probes.
+RECENT_S = 5.0
+# Probe req_ids: HTTP users cannot choose req_ids, so these never meet theirs.
+PROBE_PREFIX = "health-probe-"
 
 
 class _Server(uvicorn.Server):
@@ -33,6 +35,9 @@ class HttpFront:
         cfg = actor.shell.cfg.server
         self.model_name = actor.shell.model.name
         self.api_key = cfg.api_key
+        self.health_timeout_s = cfg.health_timeout_s
+        self.probe: asyncio.Future | None = None  # shared by /health calls while it runs
+        self.probes = 0
         self.queues: dict[str, asyncio.Queue] = {}
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -56,7 +61,8 @@ class HttpFront:
         out, forward = self.front.submit(HTTP_CLIENT, req, time.monotonic())
         for msg in forward:
             self.actor.shell.send_now("scheduler", msg)
-            self.actor.metrics.received(req.req_id)
+            if not req.req_id.startswith(PROBE_PREFIX):
+                self.actor.metrics.received(req.req_id)
         for _, reply in out:
             self.deliver(reply)
 
@@ -72,9 +78,38 @@ class HttpFront:
         if queue is not None:
             queue.put_nowait(reply)
 
-    def healthy(self) -> bool:
-        stalled = self.front.open and time.monotonic() - self.front.last_progress > STALL_S
-        return self.front.accepting and not stalled
+    async def healthy(self) -> bool:
+        """Accepting, and a step went through every actor recently: a recent reply shows it,
+        otherwise a one-token request sent through the whole graph now (tokenizer, scheduler,
+        runner, detokenizer) must come back within health_timeout_s. A wedged actor fails it
+        as surely as a dead one."""
+        if not self.front.accepting:
+            return False
+        if time.monotonic() - self.front.last_progress < RECENT_S:
+            return True
+        if self.probe is None or self.probe.done():
+            self.probe = asyncio.ensure_future(self._probe())
+        return await asyncio.shield(self.probe)
+
+    async def _probe(self) -> bool:
+        self.probes += 1
+        req_id = f"{PROBE_PREFIX}{self.probes}"
+        replies: asyncio.Queue = asyncio.Queue()
+        self.submit(m.GenerateRequest(req_id=req_id, input_ids=[0], max_new_tokens=1,
+                                      ignore_eos=True), replies)
+        try:
+            async with asyncio.timeout(self.health_timeout_s):
+                while not isinstance(reply := await replies.get(), (m.Finished, m.ErrorReply)):
+                    pass
+        except TimeoutError:
+            self.actor.log.error("health.probe_timeout", req_id=req_id,
+                                 timeout_s=self.health_timeout_s)
+            self.abort(req_id)
+            self.queues.pop(req_id, None)
+            return False
+        if isinstance(reply, m.ErrorReply):
+            self.actor.log.error("health.probe_failed", req_id=req_id, error=reply.message)
+        return isinstance(reply, m.Finished)
 
     def metrics(self) -> str:
         return self.actor.metrics.render(self.model_name, len(self.front.open))

@@ -6,6 +6,9 @@ from __future__ import annotations
 import os
 import signal
 import threading
+import time
+import urllib.error
+import urllib.request
 
 import pytest
 
@@ -108,3 +111,45 @@ def test_sigint_while_starting_stops_everything(tiny):
     while any(alive(p) for p in children) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert children and not any(alive(p) for p in children)
+
+
+def _health(url: str) -> int:
+    try:
+        with urllib.request.urlopen(url + "/health", timeout=60) as reply:
+            return reply.status
+    except urllib.error.HTTPError as e:
+        return e.code
+
+
+@pytest.mark.parametrize("victim", ["scheduler", "runner", "detokenizer"])
+def test_health_probes_the_whole_graph_and_a_wedged_actor_fails_it(tiny, victim):
+    g = Graph(tiny, "server.health_timeout_s=3")
+    try:
+        # Idle since start-up: /health must prove the path with a probe request.
+        time.sleep(5.5)
+        assert _health(g.http) == 200
+        probes = [r for r in g.events("request.received")
+                  if r["req_id"].startswith("health-probe-")]
+        assert probes, "an idle /health sent no probe"
+        pid = g.actor_pids()[victim]
+        os.kill(pid, signal.SIGSTOP)  # alive, but wedged
+        try:
+            time.sleep(5.5)
+            assert _health(g.http) == 503
+            assert g.wait_for("health.probe_timeout", timeout=5)
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        deadline = time.monotonic() + 30
+        while _health(g.http) != 200 and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert _health(g.http) == 200
+        with Client(g.address, timeout=60) as client:
+            assert client.generate("Hello", max_new_tokens=3).finish_reason == "length"
+        # Probes are not traffic: the request counters saw only the one real request.
+        with urllib.request.urlopen(g.http + "/metrics") as reply:
+            body = reply.read().decode()
+        done = [line for line in body.splitlines()
+                if line.startswith("mas:request_success_total")]
+        assert done and sum(float(line.split()[-1]) for line in done) == 1
+    finally:
+        assert g.stop() == 0
