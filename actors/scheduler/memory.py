@@ -20,10 +20,14 @@ SNAPSHOT, DONATE, KV_ONLY = "snapshot", "donate", "kv-only"
 
 
 class Memory:
-    def __init__(self, kv_slots: int, state_slots: int = 0, prefix: bool = False):
+    def __init__(self, kv_slots: int, state_slots: int = 0, prefix: bool = False,
+                 share_groups: bool = True):
         self.slots = SlotPool(kv_slots)
         self.states = SlotPool(state_slots) if state_slots else None
-        self.tree = RadixCache(self.slots, self.states) if prefix else None
+        # Without the prefix cache the tree still carries a group's shared prompt (n > 1) from
+        # the sibling that computed it to the others, and is emptied when they let go of it.
+        self.prefix = prefix
+        self.tree = RadixCache(self.slots, self.states) if prefix or share_groups else None
         self.ops: list[m.Op] = []
         self.hits = self.hit_tokens = self.inserted_tokens = self.evicted_tokens = 0
 
@@ -61,8 +65,11 @@ class Memory:
                 self.ops.append(m.Op(kind=m.OP_CLEAR, dst=req.state))
         return True
 
+    def _uses_tree(self, req: Any) -> bool:
+        return self.tree is not None and (self.prefix or bool(req.group))
+
     def _lock_match(self, req: Any) -> Any:
-        if self.tree is None:
+        if not self._uses_tree(req):
             return None
         match = self.tree.match(req.fill[:-1], need_state=self.states is not None)
         self.tree.lock(match.node)  # before evicting: the match must survive it
@@ -92,7 +99,7 @@ class Memory:
         chunk's batch starts) copies the live state into a new slot; DONATE (the request ended
         after exactly n tokens) gives the live slot itself, no copy; KV_ONLY caches no state.
         KV is saved only where the tree kept our slots."""
-        if self.tree is None or n <= req.tree_len:
+        if not self._uses_tree(req) or n <= req.tree_len:
             return
         seq = (req.prompt + req.output)[:n]
         state = None
@@ -143,6 +150,8 @@ class Memory:
         if req.state >= 0:
             self.states.free([req.state])
         req.slots, req.tree_len, req.lock, req.state = [], 0, None, -1
+        if req.group and not self.prefix:  # no cache across requests: drop what is let go
+            self.evicted_tokens += self.tree.evict(self.tree.cached_tokens)
 
     def take_ops(self) -> list[m.Op]:
         ops, self.ops = self.ops, []

@@ -44,7 +44,11 @@ async def _concurrent(address: str) -> dict[str, object]:
         prompts = {f"d{k}": SYSTEM + f" Question {k}: what comes after {k}?" for k in range(5)}
         replies = await asyncio.gather(*[c.generate(p, max_new_tokens=MAX_NEW)
                                          for p in prompts.values()])
-        return dict(zip(prompts, replies))
+        # (f) n = 3 seeded choices of one prompt, sent as a group: computed once, cache or not.
+        choices = await asyncio.gather(*[
+            c.generate(SYSTEM + " Write a poem.", max_new_tokens=MAX_NEW, temperature=0.8,
+                       seed=k, group="poem") for k in range(3)])
+        return dict(zip(prompts, replies)) | {f"f{k}": r for k, r in enumerate(choices)}
 
 
 def _evicting(address: str) -> dict[str, object]:
@@ -81,7 +85,11 @@ def test_prefix_cache_on_and_off_give_the_same_tokens(model_cache, model):
     keys = [k for k in off if not k.startswith("_")]
     for k in keys:
         assert on[k].token_ids == off[k].token_ids, f"{model} {k}: cache on != off"
-        assert off[k].cached_tokens == 0
+        assert off[k].cached_tokens == 0 or k.startswith("f")
+    for run in (on, off):  # one choice computed the prompt, the others loaded it
+        cached = sorted(run[f"f{k}"].cached_tokens for k in range(3))
+        assert cached[1] == cached[2] == run["f0"].prompt_tokens - 1 and cached[0] < cached[1]
+    assert len({tuple(off[f"f{k}"].token_ids) for k in range(3)}) > 1
     hits = {k: on[k].cached_tokens for k in keys}
     # A hybrid model resumes only where a state snapshot exists: at chunk boundaries (64
     # tokens here) and where a request ended. A dense one resumes anywhere.

@@ -135,3 +135,24 @@ def test_n_choices_compute_the_prompt_once():
     finish(s, second, token=7)
     run_to_idle(s)
     assert not any(s.leaks().values())
+
+
+def test_n_choices_share_the_prompt_without_the_prefix_cache_and_leave_nothing_cached():
+    s = Scheduler(max_running=4, context_length=128, eos_ids=[EOS], chunked_prefill_size=64,
+                  kv_slots=256, state_slots=8, prefix_cache=False)
+    s.add("lone", list(range(30, 40)), P(max_new_tokens=2))
+    for k in range(3):
+        s.add(f"c{k}", list(range(1, 21)), P(max_new_tokens=3), group="g")
+    first = s.schedule()
+    assert sorted(first.input_lens) == [10, 19]  # the lone request is not cached at all
+    second = s.schedule()
+    # The lone request decodes at position 10; the three choices compute only the last token.
+    assert second.input_lens == [1, 1, 1, 1] and sorted(second.start_pos) == [10, 19, 19, 19]
+    assert kinds(second).count(m.OP_KV_LOAD) == 2
+    finish(s, first, token=7)
+    finish(s, second, token=7)
+    run_to_idle(s)
+    assert not any(s.leaks().values())
+    assert s.memory.tree.cached_tokens == 0 and s.memory.states.available == 8
+    s.add("again", list(range(1, 21)), P(max_new_tokens=1))  # a later request: no hit
+    assert s.schedule().input_lens == [20]

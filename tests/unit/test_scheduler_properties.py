@@ -129,7 +129,11 @@ def check_invariants(s: Scheduler) -> None:
 BASES = [[7 + (b * 13 + i * 5) % 80 for i in range(24)] for b in range(3)]
 arrive = st.tuples(st.just("arrive"), st.integers(0, 2), st.integers(4, 16), st.integers(1, 5),
                    st.integers(1, 16))
-ops = st.lists(st.one_of(arrive, arrive, st.tuples(st.just("abort"), st.integers(0, 30)),
+# n choices of one prompt (a group): the prompt is computed once and shared.
+choices = st.tuples(st.just("choices"), st.integers(0, 2), st.integers(4, 16),
+                    st.integers(1, 5), st.integers(1, 16), st.integers(2, 3))
+ops = st.lists(st.one_of(arrive, arrive, choices,
+                         st.tuples(st.just("abort"), st.integers(0, 30)),
                          st.tuples(st.just("tick"), st.booleans()),
                          st.tuples(st.just("tick"), st.booleans())),
                min_size=20, max_size=100)
@@ -181,6 +185,14 @@ def test_any_sequence_keeps_the_invariants_and_answers_everyone_once(
             prompts[rid] = BASES[base][:keep] + [90 + (len(prompts) + i) % 9 for i in range(extra)]
             params[rid] = m.SamplingParams(max_new_tokens=max_new)
             collect(s.add(rid, prompts[rid], params[rid]))
+        elif op[0] == "choices":
+            _, base, keep, extra, max_new, n = op
+            prompt = BASES[base][:keep] + [90 + (len(prompts) + i) % 9 for i in range(extra)]
+            group = f"g{len(prompts)}"
+            for _ in range(n):
+                rid = f"r{len(prompts)}"
+                prompts[rid], params[rid] = prompt, m.SamplingParams(max_new_tokens=max_new)
+                collect(s.add(rid, prompt, params[rid], group=group))
         elif op[0] == "abort" and prompts:
             collect(s.abort(f"r{op[1] % len(prompts)}"))
         elif op[0] == "tick":
@@ -197,6 +209,8 @@ def test_any_sequence_keeps_the_invariants_and_answers_everyone_once(
     leaks = s.leaks()
     assert s.idle and all(not v for v in leaks.values()), leaks
     assert s.rows.available == rows
+    if s.memory.tree is not None and not prefix:
+        assert s.memory.tree.cached_tokens == 0, "no cache across requests with prefix off"
     if s.memory.tree is not None:
         s.memory.tree.check()
         assert s.slots.available + s.memory.tree.cached_tokens == kv
