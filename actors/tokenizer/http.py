@@ -104,16 +104,21 @@ async def _serve(bridge: Bridge, request: Request, reqs: list[m.GenerateRequest]
         bridge.submit(r, queue)
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
     created = int(time.time())
+    # Until the reply starts, a client that leaves (during a long prefill, say) is found by
+    # polling; once a stream runs, StreamingResponse notices it and ends the body.
+    watch = asyncio.ensure_future(_watch_disconnect(request, bridge, reqs))
     if opts["stream"]:
+        try:
+            first = await queue.get()
+        finally:
+            watch.cancel()
         # An error in the first reply (validation, overload) is an HTTP error, not a stream.
-        first = await queue.get()
         if isinstance(first, m.ErrorReply):
             for r in reqs:
                 bridge.abort(r.req_id)
             raise ApiError(first.code, first.message)
         body = _stream(bridge, reqs, index, queue, first, opts, chat, rid, created)
         return StreamingResponse(body, media_type="text/event-stream")
-    watch = asyncio.ensure_future(_watch_disconnect(request, bridge, reqs))
     results: dict[int, m.Finished] = {}
     try:
         while len(results) < len(reqs):

@@ -120,6 +120,33 @@ def test_a_client_that_disconnects_mid_stream_frees_its_row(graph):
     assert graph.idle_again(idle_before)
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_client_gone_during_prefill_is_aborted_before_its_first_token(graph, stream):
+    host, port = graph.http[len("http://"):].split(":")
+    # About 3,500 prompt tokens: 7 prefill chunks, over a second on qwen3-tiny, so the client
+    # is gone well before the first token.
+    prompt = " ".join(f"item {i}," for i in range(600))
+    body = json.dumps({"model": "qwen3-tiny", "prompt": prompt, "max_tokens": 50,
+                       "stream": stream}).encode()
+    idle_before = len(graph.events("scheduler.idle"))
+    received = len(graph.events("request.received"))
+    gone = len(graph.events("request.client_gone"))
+    with socket.create_connection((host, int(port)), timeout=30) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+                  b"\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+        deadline = time.monotonic() + 20
+        while len(graph.events("request.received")) == received and time.monotonic() < deadline:
+            time.sleep(0.01)
+    deadline = time.monotonic() + 20
+    while len(graph.events("request.client_gone")) == gone and time.monotonic() < deadline:
+        time.sleep(0.01)
+    found = graph.events("request.client_gone")[gone:]
+    assert found and found[0]["rid"] == graph.events("request.received")[received]["rid"]
+    ended = graph.wait_for("request.ended", timeout=20, rid=found[0]["rid"])
+    assert ended and ended[0]["reason"] == "abort" and ended[0]["completion_tokens"] == 0
+    assert graph.idle_again(idle_before)
+
+
 def test_api_key_guards_every_route_but_health(model_cache):
     g = Graph("model.builtin=qwen3-tiny", "server.api_key=sekrit")
     try:
