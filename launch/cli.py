@@ -51,6 +51,9 @@ def main(argv: list[str] | None = None) -> int:
     configure_logging(cfg.log, "launcher")
     log = get_logger()
     try:
+        from actors.model_runner import blas
+
+        blas.find(cfg.runtime.blas)  # a BLAS asked for by name must be here
         model = resolve_model(cfg)
     except (ConfigError, OSError, ValueError) as e:
         print(f"launch: {e}", file=sys.stderr)

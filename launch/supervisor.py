@@ -28,7 +28,7 @@ from protocol.transport import Addresses, pull_socket, push_socket
 
 def _entries() -> dict[str, Callable]:
     from actors.detokenizer.actor import main as detokenizer
-    from actors.model_runner.actor import main as runner
+    from actors.model_runner.entry import main as runner
     from actors.scheduler.actor import main as scheduler
     from actors.tokenizer.actor import main as tokenizer
 

@@ -60,6 +60,13 @@ class SchedulerConfig(Section):
     output_reserve_tokens: Annotated[int, Meta(ge=0)] = 64
 
 
+class RuntimeConfig(Section):
+    # The BLAS behind MLX's CPU matmuls (Linux): auto takes MKL (the `mkl` wheel) if installed,
+    # else Debian's OpenBLAS, else the mlx-cpu wheel's reference BLAS ("bundled"), which is
+    # 10-20x slower in float32. macOS always uses MLX's own (Accelerate, Metal).
+    blas: Literal["auto", "mkl", "openblas", "bundled"] = "auto"
+
+
 class MemoryConfig(Section):
     # KV capacity in tokens (slots); 0 derives it from kv_fraction of physical memory.
     kv_tokens: Annotated[int, Meta(ge=0)] = 0
@@ -98,6 +105,7 @@ class Config(Section):
     server: ServerConfig = ServerConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
     memory: MemoryConfig = MemoryConfig()
+    runtime: RuntimeConfig = RuntimeConfig()
     cache: CacheConfig = CacheConfig()
     log: LogConfig = LogConfig()
     launch: LaunchConfig = LaunchConfig()

@@ -3,6 +3,12 @@ from pathlib import Path
 
 import pytest
 
+from actors.model_runner import blas
+
+# The oracle (mlx_lm.generate in this process) and the servers' runners use the same BLAS,
+# so their float32 sums are done by the same kernels. Before anything imports mlx.
+blas.load("auto")
+
 
 @pytest.fixture(scope="session")
 def model_cache(tmp_path_factory) -> Path:

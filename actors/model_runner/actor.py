@@ -10,6 +10,7 @@ import threading
 import time
 import traceback
 
+from actors.model_runner import blas
 from actors.model_runner.loading import load_model
 from actors.model_runner.runner import ModelRunner
 from actors.shell import Shell, run_actor
@@ -99,6 +100,7 @@ async def serve(shell: Shell) -> None:
     mlx = MlxThread(shell, asyncio.get_running_loop())
     mlx.start()
     await mlx.loaded
+    shell.log.info("runner.blas", library=blas.in_use())
     await shell.ready(model=shell.model.name)
     try:
         while True:
