@@ -1,0 +1,156 @@
+"""The load side of the benchmark: deterministic prompts of exact token lengths, and a closed-loop
+streaming client that records, per request, when it was sent and when each chunk arrived.
+
+Both servers get the same prompts through the same OpenAI streaming endpoint
+(/v1/completions) with the official `openai` client, so client costs are the same for both.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import openai
+
+
+class PromptMaker:
+    """Text whose token count is known exactly: a run of words that are each one token with
+    their leading space (" river"), so the text tokenizes back to the same ids."""
+
+    def __init__(self, tokenizer: Any):
+        words = []
+        for tid in range(1000, 60000):
+            text = tokenizer.decode([tid])
+            if (len(text) > 3 and text[0] == " " and text[1:].isascii() and text[1:].isalpha()
+                    and tokenizer.encode(text) == [tid]):
+                words.append(text)
+        self.words = words
+        self.tokenizer = tokenizer
+
+    def make(self, n: int, seed: int) -> str:
+        rng = random.Random(seed)
+        text = "".join(rng.choice(self.words) for _ in range(n))
+        count = len(self.tokenizer.encode(text))
+        if count != n:  # never seen; a wrong length would make every figure wrong
+            raise AssertionError(f"prompt meant to be {n} tokens is {count}")
+        return text
+
+
+@dataclass
+class Sample:
+    """One request as the client saw it."""
+
+    sent: float
+    chunks: list[float] = field(default_factory=list)  # arrival time of each content chunk
+    tokens: int = 0  # completion tokens, from the usage chunk (else the chunk count)
+    error: str = ""
+
+    @property
+    def ttft(self) -> float:
+        return self.chunks[0] - self.sent if self.chunks else float("nan")
+
+    @property
+    def gaps(self) -> list[float]:
+        return [b - a for a, b in zip(self.chunks, self.chunks[1:])]
+
+
+@dataclass
+class Target:
+    """A server to drive: its base URL, model name, and the extra body fields that make it
+    generate exactly max_tokens (ignore_eos where supported, else a logit bias on EOS)."""
+
+    name: str
+    base_url: str
+    model: str
+    extra: dict[str, Any]
+
+    def client(self) -> openai.AsyncOpenAI:
+        return openai.AsyncOpenAI(base_url=self.base_url, api_key="bench", max_retries=0,
+                                  timeout=1800)
+
+
+async def one(client: openai.AsyncOpenAI, target: Target, prompt: str, max_tokens: int,
+              first: Callable[[], None] = lambda: None) -> Sample:
+    """One streamed request; `first` is called when its first content chunk arrives."""
+    sample = Sample(sent=time.perf_counter())
+    try:
+        stream = await client.completions.create(
+            model=target.model, prompt=prompt, max_tokens=max_tokens, temperature=0.0,
+            stream=True, stream_options={"include_usage": True}, extra_body=target.extra)
+        async for chunk in stream:
+            now = time.perf_counter()
+            if chunk.choices and chunk.choices[0].text:
+                sample.chunks.append(now)
+                if len(sample.chunks) == 1:
+                    first()
+            if getattr(chunk, "usage", None):
+                sample.tokens = chunk.usage.completion_tokens
+    except Exception as e:  # recorded, reported, never hidden
+        sample.error = repr(e)
+    if not sample.tokens:
+        sample.tokens = len(sample.chunks)
+    return sample
+
+
+async def closed_loop(target: Target, prompts: list[str], concurrency: int, max_tokens: int,
+                      done: Callable[[], None] = lambda: None) -> tuple[list[Sample], float]:
+    """`concurrency` workers take the prompts in order, each sending its next request when the
+    last one ends. Returns the samples (prompt order) and the wall time of the whole run."""
+    client = target.client()
+    samples: list[Sample | None] = [None] * len(prompts)
+    queue = iter(range(len(prompts)))
+
+    async def worker() -> None:
+        for k in queue:
+            samples[k] = await one(client, target, prompts[k], max_tokens)
+            done()
+
+    start = time.perf_counter()
+    await asyncio.gather(*[worker() for _ in range(concurrency)])
+    wall = time.perf_counter() - start
+    await client.close()
+    return samples, wall
+
+
+def pct(values: list[float], q: float) -> float:
+    """The q-th percentile (0-100), linear between order statistics; nan when empty."""
+    values = sorted(v for v in values if v == v)
+    if not values:
+        return float("nan")
+    pos = (len(values) - 1) * q / 100
+    lo = int(pos)
+    hi = min(lo + 1, len(values) - 1)
+    return values[lo] + (values[hi] - values[lo]) * (pos - lo)
+
+
+def steady_decode_rate(first_wave: list[Sample]) -> float:
+    """Tokens/s while every request of the first wave (sent together) is decoding: from the
+    last of their first tokens to the first of their last tokens, chunks counted across them.
+    This is the served counterpart of a bare forward loop at that batch size."""
+    start = max(s.chunks[0] for s in first_wave)
+    end = min(s.chunks[-1] for s in first_wave)
+    if end - start <= 0:
+        return float("nan")
+    inside = sum(1 for s in first_wave for t in s.chunks if start < t <= end)
+    return inside / (end - start)
+
+
+def summarize(samples: list[Sample], wall: float, concurrency: int) -> dict[str, Any]:
+    ok = [s for s in samples if not s.error and s.chunks]
+    gaps = [g for s in ok for g in s.gaps]
+    wave = ok[:concurrency] if len(ok) >= concurrency else []
+    return {
+        "concurrency": concurrency, "requests": len(samples), "errors": len(samples) - len(ok),
+        "first_error": next((s.error for s in samples if s.error), ""),
+        "output_tokens": sum(s.tokens for s in ok), "wall_s": wall,
+        "output_tok_s": sum(s.tokens for s in ok) / wall if wall else float("nan"),
+        "decode_tok_s": steady_decode_rate(wave) if wave else float("nan"),
+        "ttft_p50_s": pct([s.ttft for s in ok], 50), "ttft_p99_s": pct([s.ttft for s in ok], 99),
+        "itl_p50_s": pct(gaps, 50), "itl_p99_s": pct(gaps, 99),
+        "itl_max_s": max(gaps) if gaps else float("nan"),
+        "tokens_per_request": statistics.median([s.tokens for s in ok]) if ok else 0,
+    }
