@@ -31,7 +31,8 @@ class MlxThread(threading.Thread):
         cfg, info = self.shell.cfg, self.shell.model
         return ModelRunner(model, cfg.scheduler.max_running_requests,
                            kv_slots=kv_capacity(cfg, info), state_slots=state_capacity(cfg, info),
-                           vocab_size=info.vocab_size, eos_ids=info.eos_ids)
+                           vocab_size=info.vocab_size, eos_ids=info.eos_ids,
+                           skinny_matmul=cfg.runtime.skinny_matmul)
 
     def run(self) -> None:
         try:
@@ -100,7 +101,8 @@ async def serve(shell: Shell) -> None:
     mlx = MlxThread(shell, asyncio.get_running_loop())
     mlx.start()
     await mlx.loaded
-    shell.log.info("runner.blas", library=blas.in_use())
+    shell.log.info("runner.blas", library=blas.in_use(),
+                   skinny_matmul=shell.cfg.runtime.skinny_matmul)
     await shell.ready(model=shell.model.name)
     try:
         while True:

@@ -24,6 +24,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from protocol import messages as m
 from protocol.codec import unpack_ids
 from actors.model_runner.memory import ATTENTION, LINEAR, KvPool, StatePool, layer_kinds
+from actors.model_runner import skinny
 from actors.model_runner.sampling import RowParams, Sampler
 
 
@@ -33,8 +34,9 @@ class StepError(RuntimeError):
 
 class ModelRunner:
     def __init__(self, model: nn.Module, max_rows: int, kv_slots: int = 0, state_slots: int = 0,
-                 vocab_size: int = 0, eos_ids: list[int] = ()):
+                 vocab_size: int = 0, eos_ids: list[int] = (), skinny_matmul: bool = True):
         self.model = model
+        self.skinny_layers = skinny.apply(model) if skinny_matmul else 0
         self.eos_ids = tuple(eos_ids)
         self.sampler = Sampler(vocab_size or self._vocab_width(), max_rows)
         kinds = layer_kinds(model)
