@@ -52,7 +52,7 @@ class Plan:
 
     @staticmethod
     def count(c: int) -> int:
-        return max(4, 2 * c)  # two waves: the first gives the steady decode rate
+        return max(4, 2 * c)  # at least two waves (each gives a steady decode rate)
 
     @property
     def requests(self) -> int:

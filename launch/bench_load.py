@@ -127,28 +127,32 @@ def pct(values: list[float], q: float) -> float:
     return values[lo] + (values[hi] - values[lo]) * (pos - lo)
 
 
-def steady_decode_rate(first_wave: list[Sample]) -> float:
-    """Tokens/s while every request of the first wave (sent together) is decoding: from the
-    last of their first tokens to the first of their last tokens, chunks counted across them.
+def steady_decode_rate(wave: list[Sample]) -> float:
+    """Tokens/s while every request of a wave (sent together) is decoding: from the last of
+    their first tokens to the first of their last tokens, chunks counted across them.
     This is the served counterpart of a bare forward loop at that batch size."""
-    start = max(s.chunks[0] for s in first_wave)
-    end = min(s.chunks[-1] for s in first_wave)
+    start = max(s.chunks[0] for s in wave)
+    end = min(s.chunks[-1] for s in wave)
     if end - start <= 0:
         return float("nan")
-    inside = sum(1 for s in first_wave for t in s.chunks if start < t <= end)
+    inside = sum(1 for s in wave for t in s.chunks if start < t <= end)
     return inside / (end - start)
 
 
 def summarize(samples: list[Sample], wall: float, concurrency: int) -> dict[str, Any]:
     ok = [s for s in samples if not s.error and s.chunks]
     gaps = [g for s in ok for g in s.gaps]
-    wave = ok[:concurrency] if len(ok) >= concurrency else []
+    # Requests of one length sent together end together, so each wave of `concurrency`
+    # requests decodes together: the median over waves is steadier than one wave.
+    waves = [samples[k:k + concurrency] for k in range(0, len(samples), concurrency)]
+    rates = [steady_decode_rate(w) for w in waves
+             if len(w) == concurrency and all(not s.error and s.chunks for s in w)]
     return {
         "concurrency": concurrency, "requests": len(samples), "errors": len(samples) - len(ok),
         "first_error": next((s.error for s in samples if s.error), ""),
         "output_tokens": sum(s.tokens for s in ok), "wall_s": wall,
         "output_tok_s": sum(s.tokens for s in ok) / wall if wall else float("nan"),
-        "decode_tok_s": steady_decode_rate(wave) if wave else float("nan"),
+        "decode_tok_s": statistics.median(rates) if rates else float("nan"),
         "ttft_p50_s": pct([s.ttft for s in ok], 50), "ttft_p99_s": pct([s.ttft for s in ok], 99),
         "itl_p50_s": pct(gaps, 50), "itl_p99_s": pct(gaps, 99),
         "itl_max_s": max(gaps) if gaps else float("nan"),

@@ -80,8 +80,8 @@ def write_markdown(results: dict[str, Any], path: Path, plot: Path) -> str:
         "## Throughput and latency by concurrency", "",
         "Closed loop: `c` clients, two waves of `c` requests (at least 4). Output tok/s is all "
         "output tokens over the level's wall time (prefill included). Steady decode tok/s "
-        "counts tokens while the whole first wave is decoding: the served counterpart of the "
-        "bare loop at batch `c`. ITL is the gap between streamed chunks.", "",
+        "counts tokens while a whole wave is decoding (median over the waves): the served "
+        "counterpart of the bare loop at batch `c`. ITL is the gap between streamed chunks.", "",
         "| c | server | output tok/s | steady decode tok/s | TTFT p50 | TTFT p99 | ITL p50 "
         "| ITL p99 | errors |", "|---|---|---|---|---|---|---|---|---|"]
     for name, server in results["servers"].items():

@@ -1,0 +1,46 @@
+"""The benchmark's own arithmetic: percentiles, the steady decode rate of a wave, and prompts of
+exactly the asked token length with the real Qwen tokenizer."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from actors.model_runner.builtin import ensure_builtin
+from actors.tokenizer.loading import load_tokenizer
+from launch.bench_load import PromptMaker, Sample, pct, steady_decode_rate, summarize
+
+
+def test_percentiles_interpolate_and_skip_nan():
+    assert pct([3.0, 1.0, 2.0, float("nan")], 50) == 2.0
+    assert pct([0.0, 10.0], 99) == pytest.approx(9.9)
+    assert math.isnan(pct([], 50))
+
+
+def test_steady_rate_counts_only_while_every_stream_decodes():
+    # Two streams at 10 tokens/s each; the second starts 1 s later and ends 1 s later.
+    a = Sample(sent=0.0, chunks=[0.1 * i for i in range(1, 51)])  # 0.1 .. 5.0
+    b = Sample(sent=1.0, chunks=[1.0 + 0.1 * i for i in range(1, 51)])  # 1.1 .. 6.0
+    assert steady_decode_rate([a, b]) == pytest.approx(20.0, rel=0.03)
+    assert math.isnan(steady_decode_rate([Sample(0.0, [1.0]), Sample(0.0, [2.0])]))
+
+
+def test_summary_takes_the_median_wave_and_counts_errors():
+    fast = [Sample(0.0, [0.05 * i for i in range(1, 41)], tokens=40) for _ in range(2)]
+    slow = [Sample(0.0, [0.1 * i for i in range(1, 41)], tokens=40)]
+    broken = Sample(0.0, [], error="APIConnectionError")
+    row = summarize(fast + slow + [broken], wall=10.0, concurrency=1)
+    assert row["errors"] == 1 and row["first_error"] == "APIConnectionError"
+    assert row["output_tokens"] == 120 and row["output_tok_s"] == pytest.approx(12.0)
+    assert row["decode_tok_s"] == pytest.approx(20.0, rel=0.05)  # median of 20, 20, 10
+
+
+def test_prompts_have_exactly_the_asked_length(model_cache):
+    path = ensure_builtin("qwen3-tiny", cache_dir=model_cache, progress=False)
+    tokenizer = load_tokenizer(str(path))
+    maker = PromptMaker(tokenizer)
+    for n, seed in ((1, 0), (256, 1), (2000, 2)):
+        text = maker.make(n, seed)
+        assert len(tokenizer.encode(text)) == n
+    assert maker.make(64, 5) == maker.make(64, 5) != maker.make(64, 6)
