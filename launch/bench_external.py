@@ -11,7 +11,8 @@ must not touch .venv; the CUDA torch wheel from PyPI makes this venv ~6 GB):
     echo '*' > .venv-extbench/.gitignore      # keep it out of git, as newer venvs do
     .venv-extbench/bin/pip install 'guidellm==0.8.*'
 
-Then, with a server already up (e.g. `launch --config configs/qwen.toml --set server.http_port=8011`):
+Then, with a server already up
+(e.g. `launch --config configs/qwen.toml --set server.http_port=8011`):
 
     .venv/bin/python -m launch.bench_external --url http://127.0.0.1:8011 --model qwen3-tiny \
         --tokenizer .cache/models/qwen3-tiny-<hash> --out bench-out/guidellm \
