@@ -95,14 +95,19 @@ class TokenizerActor:
 
     async def _inbox(self) -> None:
         while True:
+            stop = None
+            # Every TextBatch of the read is delivered, also those read after a Shutdown:
+            # dropping one would lose tokens of a request that the drain then finishes.
             for msg in await self.inbox.recv_all():
                 match msg:
                     case m.TextBatch():
                         self.metrics.scheduler_load(msg.running, msg.queued)
                         await self._reply(self.front.on_text(msg, time.monotonic()))
                     case m.Shutdown():
-                        await self._shutdown(msg)
-                        return
+                        stop = stop or msg
+            if stop is not None:
+                await self._shutdown(stop)
+                return
 
     async def _shutdown(self, msg: m.Shutdown) -> None:
         """Drain: refuse new requests, let open ones finish until the deadline; then every
