@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
 import socket
 import time
 
@@ -120,11 +122,24 @@ def test_a_client_that_disconnects_mid_stream_frees_its_row(graph):
     assert graph.idle_again(idle_before)
 
 
+@pytest.fixture(scope="module")
+def slow_graph(model_cache):
+    """Prefill made slow on purpose (the reference BLAS, small chunks): seconds for a long
+    prompt, so a client can leave well before its first token on any machine."""
+    g = Graph("model.builtin=qwen3-tiny", "runtime.blas=bundled",
+              "scheduler.chunked_prefill_size=128")
+    yield g
+    assert g.stop() == 0
+
+
 @pytest.mark.parametrize("stream", [False, True])
-def test_a_client_gone_during_prefill_is_aborted_before_its_first_token(graph, stream):
+def test_a_client_gone_during_prefill_is_aborted_before_its_first_token(slow_graph, stream):
+    graph = slow_graph
     host, port = graph.http[len("http://"):].split(":")
-    # About 3,500 prompt tokens: 7 prefill chunks, over a second on qwen3-tiny, so the client
-    # is gone well before the first token.
+    # About 3,500 prompt tokens in 28 chunks, over a second; and the runner is held (SIGSTOP)
+    # from the moment the request is in until the server has noticed the client leave, so
+    # the prompt is still being prefilled then on any machine.
+    runner = graph.actor_pids()["runner"]
     prompt = " ".join(f"item {i}," for i in range(600))
     body = json.dumps({"model": "qwen3-tiny", "prompt": prompt, "max_tokens": 50,
                        "stream": stream}).encode()
@@ -137,9 +152,13 @@ def test_a_client_gone_during_prefill_is_aborted_before_its_first_token(graph, s
         deadline = time.monotonic() + 20
         while len(graph.events("request.received")) == received and time.monotonic() < deadline:
             time.sleep(0.01)
-    deadline = time.monotonic() + 20
-    while len(graph.events("request.client_gone")) == gone and time.monotonic() < deadline:
-        time.sleep(0.01)
+        os.kill(runner, signal.SIGSTOP)
+    try:
+        deadline = time.monotonic() + 20
+        while len(graph.events("request.client_gone")) == gone and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        os.kill(runner, signal.SIGCONT)
     found = graph.events("request.client_gone")[gone:]
     assert found and found[0]["rid"] == graph.events("request.received")[received]["rid"]
     ended = graph.wait_for("request.ended", timeout=20, rid=found[0]["rid"])
