@@ -31,7 +31,8 @@ from tqdm import tqdm
 
 from launch.bench_load import PromptMaker, Target, closed_loop, one, pct, summarize
 from launch.bench_report import write_markdown, write_plot
-from launch.bench_servers import ROOT, mlx_lm_server, ours
+from launch.bench_servers import mlx_lm_server, ours
+from launch.benchgraph import ROOT
 
 PREFIX_TOKENS, PREFIX_HITS, LONG_PROMPTS = 2000, 6, 2
 

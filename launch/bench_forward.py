@@ -80,10 +80,8 @@ def run_batch(model: Any, prompts: np.ndarray, steps: int, pipeline: bool = True
 
 
 def measure(model_path: str, batch_sizes: Sequence[int], prompt_tokens: int,
-            output_tokens: int, pipeline: bool = True, blas_choice: str = "auto") -> dict:
-    """The ceiling at each batch size. Loads `blas_choice` first when mlx is not imported yet."""
-    if "mlx.core" not in sys.modules:
-        blas.load(blas_choice)
+            output_tokens: int, pipeline: bool = True) -> dict:
+    """The ceiling at each batch size (the caller has loaded the BLAS: blas.load)."""
     if prompt_tokens < 1 or output_tokens < 2:
         raise ValueError("need prompt_tokens >= 1 and output_tokens >= 2")
     import mlx.core as mx
@@ -133,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     blas.load(args.blas)  # before anything imports mlx
     report = measure(args.model_path, args.batch_sizes, args.prompt_tokens, args.output_tokens,
-                     pipeline=not args.no_pipeline, blas_choice=args.blas)
+                     pipeline=not args.no_pipeline)
     text = json.dumps(report, indent=2)
     if args.json:
         Path(args.json).write_text(text + "\n")

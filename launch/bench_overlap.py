@@ -39,12 +39,13 @@ async def load(address: str, concurrency: int, seconds: float, max_new: int) -> 
 
 def measure(model: str, overlap: bool, args: argparse.Namespace) -> dict:
     log_file = Path(tempfile.mkdtemp(prefix="mas-bench-")) / "log.jsonl"
-    proc, address = start_graph(model, f"scheduler.overlap={str(overlap).lower()}",
-                                f"log.file={log_file}", "log.stats_interval_s=2", *args.set)
+    graph = start_graph(f"model.builtin={model}", f"scheduler.overlap={str(overlap).lower()}",
+                        f"log.file={log_file}", "log.stats_interval_s=2", *args.set)
     try:
-        tokens = asyncio.run(load(address, args.concurrency, args.seconds, args.max_new_tokens))
+        tokens = asyncio.run(load(graph.client, args.concurrency, args.seconds,
+                                  args.max_new_tokens))
     finally:
-        stop_graph(proc)
+        stop_graph(graph.proc)
     stats = [r for r in map(json.loads, log_file.read_text().splitlines())
              if r.get("event") == "runner.utilisation"][1:-1]
     busy = sum(r["busy_s"] for r in stats)

@@ -31,10 +31,10 @@ def ttft(client: Client, ids: list[int]) -> tuple[float, int]:
 
 
 def measure(model: str, prefix_tokens: int, rounds: int, extra: list[str]) -> dict:
-    proc, address = start_graph(model, *extra)
+    graph = start_graph(f"model.builtin={model}", *extra)
     cold, hit, cached = [], [], []
     try:
-        with Client(address, timeout=600) as client:
+        with Client(graph.client, timeout=600) as client:
             ttft(client, [100 + i for i in range(64)])  # warm up
             for r in range(rounds):
                 # Distinct prefixes (token ids from the ordinary vocabulary), never seen before.
@@ -45,7 +45,7 @@ def measure(model: str, prefix_tokens: int, rounds: int, extra: list[str]) -> di
                 hit.append(t)
                 cached.append(c)
     finally:
-        stop_graph(proc)
+        stop_graph(graph.proc)
     c, h = statistics.median(cold), statistics.median(hit)
     return {"model": model, "prefix_tokens": prefix_tokens, "cold_ttft_s": round(c, 4),
             "hit_ttft_s": round(h, 4), "ratio": round(h / c, 4),

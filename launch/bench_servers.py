@@ -5,20 +5,16 @@ the comparison is of the servers, not of their matmul libraries."""
 from __future__ import annotations
 
 import contextlib
-import re
-import signal
 import socket
 import subprocess
 import sys
 import tempfile
 import time
 import urllib.request
-from pathlib import Path
 from typing import Iterator
 
 from launch.bench_load import Target
-
-ROOT = Path(__file__).resolve().parents[1]
+from launch.benchgraph import ROOT, start_graph, stop_graph
 
 # mlx_lm.server in a process that loaded the BLAS first (blas.load must precede mlx).
 _MLX_LM = ("import sys; from actors.model_runner import blas; blas.load(sys.argv.pop(1)); "
@@ -32,33 +28,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
 @contextlib.contextmanager
 def ours(model_dir: str, blas: str, overrides: list[str] = ()) -> Iterator[Target]:
-    args = [sys.executable, "-m", "launch", "--config", str(ROOT / "configs" / "qwen.toml"),
-            "--set", f"model.path={model_dir}", "--set", "server.port=0",
-            "--set", "server.http_port=0", "--set", "log.stderr=false",
-            "--set", f"runtime.blas={blas}", *[a for o in overrides for a in ("--set", o)]]
-    proc = subprocess.Popen(args, stdout=subprocess.PIPE, text=True, cwd=ROOT)
+    graph = start_graph(f"model.path={model_dir}", f"runtime.blas={blas}", *overrides)
     try:
-        for line in proc.stdout:
-            found = re.search(r"ready: model (\S+) .* http (http://\S+)", line)
-            if found:
-                yield Target("mlx-actor-serve", found.group(2) + "/v1", found.group(1),
-                             {"ignore_eos": True})
-                return
-        raise RuntimeError(f"mlx-actor-serve did not start (exit code {proc.wait()})")
+        yield Target("mlx-actor-serve", graph.http + "/v1", graph.model, {"ignore_eos": True})
     finally:
-        _stop(proc)
+        stop_graph(graph.proc)
 
 
 @contextlib.contextmanager
@@ -89,5 +65,5 @@ def mlx_lm_server(model_dir: str, blas: str, eos_ids: list[int],
         yield Target("mlx_lm.server", url + "/v1", "default_model",
                      {"logit_bias": {str(t): -1e9 for t in eos_ids}})
     finally:
-        _stop(proc)
+        stop_graph(proc)
         log.close()

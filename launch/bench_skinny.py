@@ -43,33 +43,23 @@ def shapes(rows: list[int]) -> None:
 
 
 def decode(model_path: str, batches: list[int], steps: int = 40) -> None:
-    import mlx.core as mx
-    from mlx_lm.models.cache import make_prompt_cache
+    """Whole decode steps (bench_forward's loop) with and without the skinny path."""
+    import statistics
 
     from actors.model_runner import skinny
-    from actors.model_runner.loading import load_model
-
-    def run(model, b: int) -> tuple[float, list]:
-        prompt = mx.array([[1000 + (7 * r + 13 * i) % 50000 for i in range(256)]
-                           for r in range(b)])
-        cache = make_prompt_cache(model)
-        model(prompt[:, :-1], cache=cache)
-        mx.eval([c.state for c in cache])
-        token, times, tokens = prompt[:, -1:], [], []
-        for _ in range(steps):
-            start = time.perf_counter()
-            token = mx.argmax(model(token, cache=cache)[:, -1, :], axis=-1)[:, None]
-            tokens.append(token.tolist())
-            times.append(time.perf_counter() - start)
-        return 1000 * sorted(times)[steps // 2], tokens
+    from actors.model_runner.loading import load_model, read_model_info
+    from launch.bench_forward import make_prompts, run_batch
 
     plain, fast = load_model(model_path), load_model(model_path)
     skinny.apply(fast)
+    vocab = read_model_info(model_path).vocab_size
     for b in batches:
-        (p, pt), (f, ft) = run(plain, b), run(fast, b)
-        same = sum(x == y for x, y in zip(pt, ft))
-        print(f"decode batch {b:>2}: mlx-lm {p:7.1f} ms/step, skinny {f:7.1f} ms/step, "
-              f"ratio {f / p:.2f}, identical steps {same}/{steps}")
+        prompts = make_prompts(b, 256, vocab)
+        p, f = run_batch(plain, prompts, steps), run_batch(fast, prompts, steps)
+        same = sum(x == y for x, y in zip(p.tokens, f.tokens))
+        p_ms, f_ms = (1000 * statistics.median(r.step_s) for r in (p, f))
+        print(f"decode batch {b:>2}: mlx-lm {p_ms:7.1f} ms/step, skinny {f_ms:7.1f} ms/step, "
+              f"ratio {f_ms / p_ms:.2f}, identical rows {same}/{b}")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -13,6 +13,8 @@ import threading
 import time
 from pathlib import Path
 
+from launch.benchgraph import stop_graph
+
 ROOT = Path(__file__).resolve().parents[2]
 _LAUNCHED: list[subprocess.Popen] = []
 
@@ -22,12 +24,7 @@ def _kill_leftovers() -> None:
     """A test that failed half way leaves its graph running: end it with the test session
     (SIGINT first, so the launcher takes its actors down, then SIGKILL)."""
     for proc in _LAUNCHED:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGINT)
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        stop_graph(proc, timeout=30)
 
 
 def alive(pid: int) -> bool:
