@@ -80,6 +80,9 @@ class KvPool:
         self.keys[layer][index] = keys
         self.values[layer][index] = values
 
+    def all_arrays(self) -> list[mx.array]:
+        return [*self.keys.values(), *self.values.values()]
+
     def load(self, layer: int, slots: list[int]) -> tuple[mx.array, mx.array]:
         index = mx.array(slots)
         return self.keys[layer][index], self.values[layer][index]
@@ -108,6 +111,9 @@ class StatePool:
     def read(self, layer: int, slots: list[int]) -> list[mx.array]:
         index = mx.array(slots)
         return [a[index] for a in self.arrays[layer]]
+
+    def all_arrays(self) -> list[mx.array]:
+        return [a for parts in self.arrays.values() for a in parts]
 
     def write(self, layer: int, slots: list[int], values: list[mx.array]) -> None:
         index = mx.array(slots)

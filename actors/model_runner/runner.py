@@ -104,6 +104,11 @@ class ModelRunner:
             if token is not None:
                 sampled[row] = token
 
+        # Pool writes are lazy scatters: evaluated with each step, or every step would chain
+        # onto the last and keep its arrays alive until a later read.
+        pools = [p.all_arrays() for p in (self.kv_pool, self.states) if p is not None]
+        if pools:
+            mx.async_eval(pools)
         out_rows = [r for r, s in zip(batch.rows, batch.sample) if s]
         token_list = [sampled[r][0] for r in out_rows]
         if out_rows:
