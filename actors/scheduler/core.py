@@ -333,11 +333,12 @@ class Scheduler:
                 # tokens in byte-level BPE, hence the window.
                 window = 4 * max(map(len, p.stop)) + 2
                 tail = self.decode(req.output[-window:])
-                new_from = len(self.decode(req.output[-window:-1]))
-                for stop in p.stop:
-                    if tail.find(stop, max(0, new_from - len(stop) + 1)) >= 0:
-                        req.stop_str = stop
-                        return "stop"
+                if any(stop in tail for stop in p.stop):  # the second decode only on a hit
+                    new_from = len(self.decode(req.output[-window:-1]))
+                    for stop in p.stop:
+                        if tail.find(stop, max(0, new_from - len(stop) + 1)) >= 0:
+                            req.stop_str = stop
+                            return "stop"
         if len(req.output) >= p.max_new_tokens:
             return "length"
         if len(req.prompt) + len(req.output) >= self.context_length:
