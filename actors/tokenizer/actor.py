@@ -79,10 +79,7 @@ class TokenizerActor:
             while (frames := self._recv_client()) is not None:
                 replies, forward = self.front.on_client(frames, time.monotonic())
                 for msg in forward:
-                    self.metrics.received(msg.rid)
                     await self.shell.send("scheduler", msg)
-                for identity, reply in replies:
-                    self.log.info("request.rejected", req_id=reply.req_id, error=reply.message)
                 await self._reply(replies)
 
     def _recv_client(self) -> list[bytes] | None:
@@ -125,12 +122,11 @@ class TokenizerActor:
 
     def _route(self, identity: bytes, reply: m.ClientWire) -> bytes | None:
         """Count the reply; hand HTTP replies to their queue; return the frame for a ZMQ one."""
+        if not (identity == HTTP_CLIENT and reply.req_id.startswith(PROBE_PREFIX)):
+            self.metrics.reply(reply)  # health probes are not traffic
         if identity == HTTP_CLIENT:
-            if not reply.req_id.startswith(PROBE_PREFIX):  # health probes are not traffic
-                self.metrics.reply(reply)
             self.http.deliver(reply)
             return None
-        self.metrics.reply(reply)
         return encode(reply)
 
     async def _reply(self, replies: list[Reply]) -> None:

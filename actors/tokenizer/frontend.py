@@ -59,37 +59,43 @@ class Frontend:
         """One ROUTER message -> (replies to clients, messages for the scheduler)."""
         identity, payload = frames[0], frames[1:]
         if len(payload) != 1:
-            return [(identity, m.ErrorReply(req_id="", message=(
-                f"malformed message: expected 1 payload frame, got {len(payload)}")))], []
+            return self._reject(identity, "", "malformed message: expected 1 payload frame, "
+                                f"got {len(payload)}")
         try:
             msg = _decoder.decode(payload[0])
         except (msgspec.DecodeError, msgspec.ValidationError) as e:
-            return [(identity, m.ErrorReply(req_id=_guess_req_id(payload[0]),
-                                            message=f"invalid request: {e}"))], []
+            return self._reject(identity, _guess_req_id(payload[0]), f"invalid request: {e}")
         match msg:
             case m.AbortRequest():
-                rid = self.by_client.get((identity, msg.req_id))
-                if rid:
-                    self.log.info("request.client_abort", rid=rid, req_id=msg.req_id)
-                return [], ([m.Abort(rid=rid)] if rid else [])
+                return [], self.abort(identity, msg.req_id, "request.client_abort")
             case m.GenerateRequest():
                 return self.submit(identity, msg, now)
+
+    def _reject(self, identity: bytes, req_id: str, message: str,
+                code: int = 400) -> tuple[list[Reply], list[Any]]:
+        self.log.info("request.rejected", req_id=req_id, error=message)
+        return [(identity, m.ErrorReply(req_id=req_id, message=message, code=code))], []
 
     def client_gone(self, identity: bytes) -> list[m.Abort]:
         """The connection of a ZMQ client closed: abort what it left open (no one is left to
         read the replies)."""
-        aborts = []
-        for (who, req_id), rid in self.by_client.items():
-            if who == identity:
-                self.log.info("request.client_gone", rid=rid, req_id=req_id)
-                aborts.append(m.Abort(rid=rid))
-        return aborts
+        return [a for who, req_id in list(self.by_client) if who == identity
+                for a in self.abort(who, req_id, "request.client_gone")]
+
+    def abort(self, identity: bytes, req_id: str, event: str) -> list[m.Abort]:
+        """The client's open request req_id, if any, as an Abort for the scheduler (logged as
+        `event`); the request stays open until the scheduler's terminal reply."""
+        rid = self.by_client.get((identity, req_id))
+        if not rid:
+            return []
+        self.log.info(event, rid=rid, req_id=req_id)
+        return [m.Abort(rid=rid)]
 
     def submit(self, identity: bytes, req: m.GenerateRequest,
                now: float) -> tuple[list[Reply], list[Any]]:
         """A decoded request from any front end (ZMQ, HTTP)."""
         def refuse(message: str, code: int = 400):
-            return [(identity, m.ErrorReply(req_id=req.req_id, message=message, code=code))], []
+            return self._reject(identity, req.req_id, message, code)
 
         if not self.accepting:
             return refuse(self.refusal, 503)

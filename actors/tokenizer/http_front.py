@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import socket
 import time
 from typing import Any
@@ -61,16 +62,11 @@ class HttpFront:
         out, forward = self.front.submit(HTTP_CLIENT, req, time.monotonic())
         for msg in forward:
             self.actor.shell.send_now("scheduler", msg)
-            if not req.req_id.startswith(PROBE_PREFIX):
-                self.actor.metrics.received(req.req_id)
-        for _, reply in out:
-            self.deliver(reply)
+        self.actor._send_now(out)  # a refusal: counted and delivered like any reply
 
     def abort(self, req_id: str) -> None:
-        rid = self.front.by_client.get((HTTP_CLIENT, req_id))
-        if rid:
-            self.actor.log.info("request.client_gone", rid=rid, req_id=req_id)
-            self.actor.shell.send_now("scheduler", m.Abort(rid=rid))
+        for msg in self.front.abort(HTTP_CLIENT, req_id, "request.client_gone"):
+            self.actor.shell.send_now("scheduler", msg)
 
     def deliver(self, reply: m.ClientWire) -> None:
         terminal = isinstance(reply, (m.Finished, m.ErrorReply))
@@ -114,5 +110,7 @@ class HttpFront:
     def metrics(self) -> str:
         return self.actor.metrics.render(self.model_name, len(self.front.open))
 
+    @functools.lru_cache(maxsize=1 << 16)
     def token_text(self, token_id: int) -> str:
+        """One token's text for logprobs (up to 21 per token with top_logprobs=20): cached."""
         return self.front.tokenizer.decode([token_id])

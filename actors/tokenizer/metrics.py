@@ -34,7 +34,6 @@ class Histogram:
 
 class Metrics:
     def __init__(self):
-        self.requests = 0
         self.prompt_tokens = self.generation_tokens = self.cached_tokens = 0
         self.finished: dict[str, int] = {}
         self.ttft, self.itl, self.e2e = Histogram(), Histogram(), Histogram()
@@ -42,9 +41,6 @@ class Metrics:
 
     def scheduler_load(self, running: int, queued: int) -> None:
         self.running, self.queued = running, queued
-
-    def received(self, req_id: str) -> None:
-        self.requests += 1
 
     def reply(self, reply: m.ClientWire) -> None:
         if isinstance(reply, m.Finished):
