@@ -261,7 +261,7 @@ class TokenBatch(Wire, tag=_tag("TokenBatch")):
     top_ids: list[list[int]] = []
     top_logprobs: list[list[float]] = []
     # A request's stop strings, in the first TokenBatch that mentions it: the detokenizer holds
-    # back text that could be the start of one and trims the one that matched.
+    # back text that could be the start of one and cuts at Finish.stop_str when it ends.
     stops: dict[str, list[str]] = {}
     running: int = 0  # the scheduler's running and queued requests, for /metrics
     queued: int = 0

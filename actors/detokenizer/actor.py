@@ -17,14 +17,15 @@ def convert(core: Detokenizer, stops: dict[str, StopTrimmer], batch: m.TokenBatc
     texts = [_trim(stops, rid, core.feed(rid, ids)) for rid, ids in zip(batch.rids, pieces)]
     rids, counts = list(batch.rids), list(batch.counts)
     for fin in batch.finished:
-        tail = _trim(stops, fin.rid, core.finish(fin.rid))
+        tail = core.finish(fin.rid)
+        k = rids.index(fin.rid) if fin.rid in rids else -1
+        emitted = texts[k] if k >= 0 else ""
         trimmer = stops.pop(fin.rid, None)
-        if trimmer is not None:
-            tail += trimmer.flush()
-        if fin.rid in rids:
-            texts[rids.index(fin.rid)] += tail
-        elif tail:
-            rids.append(fin.rid); texts.append(tail); counts.append(0)
+        text = emitted + tail if trimmer is None else trimmer.end(emitted, tail, fin.stop_str)
+        if k >= 0:
+            texts[k] = text
+        elif text:
+            rids.append(fin.rid); texts.append(text); counts.append(0)
     return m.TextBatch(rids=rids, texts=texts, counts=counts, token_ids=batch.token_ids,
                        finished=batch.finished, logprobs=batch.logprobs, top_ids=batch.top_ids,
                        top_logprobs=batch.top_logprobs, running=batch.running,

@@ -84,8 +84,6 @@ class Detokenizer:
                 s.held += 1
                 return ""
             cut, text = found
-        # Stop-string trimming goes here: it will see `text` up to `cut` and hold
-        # back a possible stop prefix the way an unfinished character is held.
         piece = text[s.sent :]
         s.ids, s.context = s.ids[s.context :], cut - s.context
         s.sent = len(self._decode(s.ids[: s.context]))
