@@ -29,10 +29,17 @@ class MlxThread(threading.Thread):
 
     def _runner(self, model) -> ModelRunner:
         cfg, info = self.shell.cfg, self.shell.model
-        return ModelRunner(model, cfg.scheduler.max_running_requests,
-                           kv_slots=kv_capacity(cfg, info), state_slots=state_capacity(cfg, info),
-                           vocab_size=info.vocab_size, eos_ids=info.eos_ids,
-                           skinny_matmul=cfg.runtime.skinny_matmul)
+        runner = ModelRunner(model, cfg.scheduler.max_running_requests,
+                             kv_slots=kv_capacity(cfg, info),
+                             state_slots=state_capacity(cfg, info), vocab_size=info.vocab_size,
+                             eos_ids=info.eos_ids, skinny_matmul=cfg.runtime.skinny_matmul)
+        # The scheduler sized its state slots from config.json (ModelInfo.state_layers); the
+        # runner found the layers in the model itself. Serving on a disagreement would resume
+        # recurrent layers from nothing after a prefix hit: refuse to start instead.
+        if len(runner.linear) != info.state_layers:
+            raise ValueError(f"{info.path}: config.json implies {info.state_layers} recurrent-"
+                             f"state layers, the model has {len(runner.linear)}")
+        return runner
 
     def run(self) -> None:
         try:
