@@ -68,6 +68,9 @@ class RuntimeConfig(Section):
     # CPU only: decode-shaped matmuls (x @ W.T for 2-128 rows) computed as (W @ x.T).T, which
     # the BLAS runs 1.2-2x faster (actors/model_runner/skinny.py).
     skinny_matmul: bool = True
+    # CPU only: the attention softmax and the MLP's SiLU of large (prefill) shapes computed by
+    # NumPy, whose exp is vectorized on x86 where MLX's is not (actors/model_runner/fastmath.py).
+    fast_math: bool = True
 
 
 class MemoryConfig(Section):

@@ -32,7 +32,8 @@ class MlxThread(threading.Thread):
         runner = ModelRunner(model, cfg.scheduler.max_running_requests,
                              kv_slots=kv_capacity(cfg, info),
                              state_slots=state_capacity(cfg, info), vocab_size=info.vocab_size,
-                             eos_ids=info.eos_ids, skinny_matmul=cfg.runtime.skinny_matmul)
+                             eos_ids=info.eos_ids, skinny_matmul=cfg.runtime.skinny_matmul,
+                             fast_math=cfg.runtime.fast_math)
         # The scheduler sized its state slots from config.json (ModelInfo.state_layers); the
         # runner found the layers in the model itself. Serving on a disagreement would resume
         # recurrent layers from nothing after a prefix hit: refuse to start instead.
@@ -109,7 +110,8 @@ async def serve(shell: Shell) -> None:
     mlx.start()
     await mlx.loaded
     shell.log.info("runner.blas", library=blas.in_use(),
-                   skinny_matmul=shell.cfg.runtime.skinny_matmul)
+                   skinny_matmul=shell.cfg.runtime.skinny_matmul,
+                   fast_math=shell.cfg.runtime.fast_math)
     await shell.ready(model=shell.model.name)
     try:
         while True:

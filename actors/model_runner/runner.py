@@ -24,7 +24,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from protocol import messages as m
 from protocol.codec import unpack_ids
 from actors.model_runner.memory import ATTENTION, LINEAR, KvPool, StatePool, layer_kinds
-from actors.model_runner import skinny
+from actors.model_runner import fastmath, skinny
 from actors.model_runner.sampling import RowParams, Sampler
 
 
@@ -34,9 +34,13 @@ class StepError(RuntimeError):
 
 class ModelRunner:
     def __init__(self, model: nn.Module, max_rows: int, kv_slots: int = 0, state_slots: int = 0,
-                 vocab_size: int = 0, eos_ids: list[int] = (), skinny_matmul: bool = True):
+                 vocab_size: int = 0, eos_ids: list[int] = (), skinny_matmul: bool = True,
+                 fast_math: bool = True):
         self.model = model
         self.skinny_layers = skinny.apply(model) if skinny_matmul else 0
+        if fast_math:
+            fastmath.install(model)
+        self.fast_math = fast_math
         self.eos_ids = tuple(eos_ids)
         self.sampler = Sampler(vocab_size or self._vocab_width(), max_rows)
         kinds = layer_kinds(model)
@@ -77,6 +81,10 @@ class ModelRunner:
         return {i: [(a.shape[1:], a.dtype) for a in cache[i].cache] for i in self.linear}
 
     def step(self, batch: m.ForwardBatch) -> m.StepResult:
+        with fastmath.active(self.fast_math):
+            return self._step(batch)
+
+    def _step(self, batch: m.ForwardBatch) -> m.StepResult:
         t0 = time.perf_counter()
         for op in batch.ops:
             self._apply(op)

@@ -6,6 +6,7 @@ from collections import deque
 
 import pytest
 
+from actors.model_runner import fastmath
 from actors.model_runner.builtin import ensure_builtin
 from actors.model_runner.loading import load_model, read_model_info
 from actors.model_runner.runner import ModelRunner, StepError
@@ -137,3 +138,20 @@ def test_eviction_under_a_small_budget_keeps_tokens_identical(setup):
     _check_all(oracle, arrivals, got)
     assert sched.memory.evicted_tokens > 0, "the budget was meant to force eviction"
     assert sched.finished["again"].cached_tokens > 0
+
+
+@pytest.mark.parametrize("depth", [1, 2], ids=["plain", "overlap"])
+def test_long_chunks_take_the_numpy_softmax_and_keep_tokens_identical(setup, depth, monkeypatch):
+    """Prefill chunks of 256 (scores and SiLU far above fastmath.MIN_ELEMENTS) beside decodes
+    of eight rows: the NumPy path runs in the runner's steps and the tokens stay mlx-lm's."""
+    path, oracle, info = setup
+    calls = []
+    numpy_softmax = fastmath.softmax
+    monkeypatch.setattr(fastmath, "softmax", lambda s: calls.append(s.shape) or numpy_softmax(s))
+    ids = [oracle.tokenizer.encode(f"{k}: " + p * 30)[:180 + 10 * k] for k, p in
+           enumerate(PROMPTS)]
+    arrivals = {0: [(f"r{k}", p, 8) for k, p in enumerate(ids[:3])],
+                2: [(f"s{k}", p, 6) for k, p in enumerate(ids[3:] + ids[:3])]}
+    got, _ = run(path, info, arrivals, max_rows=8, depth=depth, chunk=256)
+    _check_all(oracle, arrivals, got)
+    assert any(shape[-2] >= 180 for shape in calls), calls  # prefill chunks

@@ -1,0 +1,115 @@
+"""The NumPy softmax and SiLU path: MLX's results to float rounding where it is taken, MLX's own
+path bit for bit everywhere else (outside active(), small shapes, other dtypes)."""
+
+from __future__ import annotations
+
+import warnings
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models import activations, base, qwen3, qwen3_next
+from mlx_lm.models.cache import make_prompt_cache
+
+from actors.model_runner import fastmath
+from actors.model_runner.builtin import ensure_builtin
+from actors.model_runner.loading import load_model
+
+MASKS = {
+    "none": lambda b, h, n, w: None,
+    "causal": lambda b, h, n, w: "causal",
+    "bool, one per row": lambda b, h, n, w: mx.random.uniform(shape=(b, 1, n, w)) > 0.3,
+    "bool, per head": lambda b, h, n, w: mx.random.uniform(shape=(b, h, n, w)) > 0.3,
+    "additive 2-d": lambda b, h, n, w: mx.random.normal((n, w)),
+}
+
+
+@pytest.mark.parametrize("mask", MASKS)
+@pytest.mark.parametrize("b, heads, kv_heads, length, width", [
+    (1, 8, 4, 300, 300),  # a first prefill chunk, GQA
+    (2, 8, 2, 100, 400),  # a later chunk: queries are the last 100 of 400 positions
+    (16, 8, 8, 1, 384),  # a decode step of 16 rows
+])
+def test_attention_matches_mlx(mask, b, heads, kv_heads, length, width):
+    mx.random.seed(3)
+    q = mx.random.normal((b, heads, length, 64))
+    k, v = mx.random.normal((2, b, kv_heads, width, 64))
+    m = MASKS[mask](b, heads, length, width)
+    want = base.scaled_dot_product_attention(q, k, v, None, scale=0.125, mask=m)
+    with fastmath.active():
+        got = fastmath.attention(q, k, v, None, scale=0.125, mask=m)
+    assert got.shape == want.shape
+    assert mx.allclose(got, want, atol=2e-6, rtol=1e-5).item()
+    # Outside active(): MLX's own path, bit for bit.
+    assert mx.array_equal(fastmath.attention(q, k, v, None, scale=0.125, mask=m), want).item()
+
+
+def test_small_or_low_precision_inputs_stay_on_mlx():
+    mx.random.seed(4)
+    q = mx.random.normal((1, 4, 8, 32))  # 4 * 8 * 8 scores: below MIN_ELEMENTS
+    k, v = mx.random.normal((2, 1, 4, 8, 32))
+    want = base.scaled_dot_product_attention(q, k, v, None, scale=0.2, mask="causal")
+    with fastmath.active():
+        assert mx.array_equal(fastmath.attention(q, k, v, None, 0.2, "causal"), want).item()
+        half = [a.astype(mx.bfloat16) for a in (q, k, v)]
+        big = [mx.repeat(a, 40, axis=2) for a in half]
+        stock = base.scaled_dot_product_attention(*big, None, scale=0.2, mask="causal")
+        assert mx.array_equal(fastmath.attention(*big, None, 0.2, "causal"), stock).item()
+        gate = mx.random.normal((4, 16))
+        assert mx.array_equal(fastmath.swiglu(gate, gate), activations.swiglu(gate, gate)).item()
+
+
+def test_swiglu_matches_mlx_and_saturates_quietly():
+    mx.random.seed(5)
+    gate = mx.random.normal((300, 1536)) * 6
+    gate[0, :4] = mx.array([-200.0, -89.0, 89.0, 0.0])
+    x = mx.random.normal((300, 1536))
+    want = activations.swiglu(gate, x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no numpy overflow warning for exp(200)
+        with fastmath.active():
+            got = fastmath.swiglu(gate, x)
+    assert mx.allclose(got, want, atol=1e-5, rtol=1e-5).item()
+    assert got[0, 0].item() == 0.0
+
+
+def test_install_patches_the_model_modules_once():
+    # Earlier runners in this process may have installed already: start from stock.
+    for module in (qwen3, qwen3_next):
+        module.scaled_dot_product_attention = base.scaled_dot_product_attention
+        module.swiglu = activations.swiglu
+    model = qwen3.Model(qwen3.ModelArgs(
+        model_type="qwen3", hidden_size=64, num_hidden_layers=1, intermediate_size=128,
+        num_attention_heads=4, rms_norm_eps=1e-6, vocab_size=100, num_key_value_heads=2,
+        max_position_embeddings=128, rope_theta=1e4, head_dim=16, tie_word_embeddings=True))
+    assert fastmath.install(model) == 2
+    assert qwen3.scaled_dot_product_attention is fastmath.attention
+    assert qwen3.swiglu is fastmath.swiglu
+    assert qwen3_next.swiglu is activations.swiglu  # not this model's module
+    assert fastmath.install(model) == 0
+
+
+@pytest.mark.parametrize("name", ["qwen3-tiny", "qwen3_5-tiny"])
+def test_greedy_tokens_are_unchanged_on_a_real_model(model_cache, name):
+    path = str(ensure_builtin(name, cache_dir=model_cache, progress=False))
+    plain, fast = load_model(path), load_model(path)
+    prompt = mx.array([[1000 + (7 * r + 13 * i) % 50000 for i in range(200)] for r in range(2)])
+
+    def greedy(model, on: bool) -> list:
+        cache = make_prompt_cache(model)
+        out = []
+        with fastmath.active(on):
+            logits = model(prompt, cache=cache)[:, -1, :]
+            for _ in range(12):
+                token = mx.argmax(logits, axis=-1)
+                out.append(token.tolist())
+                logits = model(token[:, None], cache=cache)[:, -1, :]
+        return out, logits
+
+    want, want_logits = greedy(plain, on=False)
+    assert fastmath.install(fast) >= 0
+    stock, stock_logits = greedy(fast, on=False)  # installed but inactive: the same bits
+    assert stock == want and mx.array_equal(stock_logits, want_logits).item()
+    got, got_logits = greedy(fast, on=True)
+    assert got == want
+    assert mx.allclose(got_logits, want_logits, atol=1e-3).item()
+    assert not mx.array_equal(got_logits, want_logits).item()  # the NumPy path did run
