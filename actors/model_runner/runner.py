@@ -8,8 +8,9 @@ Memory (the scheduler only sees row ids, KV slot ids and state slot ids):
 - Storage of record (memory.py): the KV pool by KV slot, the state pool by state slot.
 
 Per step, in this order: the batch's ops (DESIGN section 5), released rows, admissions, the
-decode forward, the prefill chunks, then the recurrent state of every row that ran is written
-through to its state slot.
+prefill chunks, the decode forward (with the last prompt token of every prompt that completes in
+this step), then the recurrent state of every row that ran is written through to its state
+slot.
 """
 
 from __future__ import annotations
@@ -99,18 +100,19 @@ class ModelRunner:
         self._keep_decoding([r for r, f in zip(batch.rows, batch.future) if f])
 
         sampled: dict[int, tuple] = {}
-        if self.decode_rows:
-            sampled.update(self._decode())
+        joining: dict[int, int] = {}  # row -> its last prompt token, run in the decode forward
         ids = unpack_ids(batch.input_ids)
         at = 0
         for row, n, start, fut, smp in zip(batch.rows, batch.input_lens, batch.start_pos,
                                            batch.future, batch.sample):
             if fut:
                 continue
-            token = self._prefill(row, ids[at:at + n], start, smp)
+            token = self._prefill(row, ids[at:at + n], start, smp, joining)
             at += n
             if token is not None:
                 sampled[row] = token
+        if self.decode_rows:
+            sampled.update(self._decode(joining))
 
         # Pool writes are lazy scatters: evaluated with each step, or every step would chain
         # onto the last and keep its arrays alive until a later read.
@@ -209,8 +211,11 @@ class ModelRunner:
             c.filter(index)
         self.decode_rows = [self.decode_rows[i] for i in keep]
 
-    def _decode(self) -> dict[int, mx.array]:
+    def _decode(self, joining: dict[int, int]) -> dict[int, tuple]:
         rows = mx.array(self.decode_rows)
+        if joining:
+            self.token_buf[mx.array(list(joining))] = mx.array(list(joining.values()),
+                                                               dtype=mx.int32)
         inputs = self.token_buf[rows][:, None]
         logits = self.model(inputs, cache=self.decode_cache)[:, -1, :]
         self._write_states(self.decode_rows, self.decode_cache)
@@ -218,7 +223,13 @@ class ModelRunner:
 
     # -- prefill -------------------------------------------------------------------------------
 
-    def _prefill(self, row: int, ids: list[int], start: int, sample: bool) -> tuple | None:
+    def _prefill(self, row: int, ids: list[int], start: int, sample: bool,
+                 joining: dict[int, int]) -> tuple | None:
+        """Run a prompt chunk. The last chunk's last token is left to this step's decode
+        forward (added to `joining`): its logits then come out of the batched LM head, a
+        vocab-wide matmul that costs ~1 ms more per row there and ~35 ms as a forward of its
+        own (qwen3-small). Returns a sampled token only for a one-token prompt with nothing
+        cached, whose empty cache cannot join the batch and so runs alone."""
         cache = self.prefilling.get(row)
         if cache is None or start == 0:
             cache = self._new_prompt_cache(row, start)
@@ -230,16 +241,17 @@ class ModelRunner:
             self._write_states([row], cache)
             mx.eval([c.state for c in cache])
             return None
-        # The last token runs alone, as in mlx_lm.generate: logits (a vocab-wide matmul per
-        # position) are computed for that one position only.
-        if len(ids) > 1:
-            self.model(mx.array(ids[:-1])[None], cache=cache)
-        logits = self.model(mx.array(ids[-1:])[None], cache=cache)
-        self._write_states([row], cache)
-        token = self._sample([row], logits[:, -1, :])[row]
         del self.prefilling[row]
+        if start == 0 and len(ids) == 1:
+            logits = self.model(mx.array(ids)[None], cache=cache)
+            self._write_states([row], cache)
+            self._join_decode(row, cache)
+            return self._sample([row], logits[:, -1, :])[row]
+        if len(ids) > 1:
+            self.model(mx.array(ids[:-1])[None], cache=cache)  # logits never evaluated
         self._join_decode(row, cache)
-        return token
+        joining[row] = ids[-1]
+        return None
 
     def _new_prompt_cache(self, row: int, start: int) -> list[Any]:
         """Fresh caches for a new prompt: the cached prefix's KV from the pool (if the scheduler
