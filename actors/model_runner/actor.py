@@ -12,12 +12,13 @@ import traceback
 
 from actors.model_runner import blas
 from actors.model_runner.loading import load_model
-from actors.model_runner.runner import ModelRunner
+from actors.model_runner.runner import Launched, ModelRunner
 from actors.shell import Shell, run_actor
 from actors.sizing import kv_capacity, state_capacity
 from protocol import messages as m
 
 _STOP = object()
+FOLLOW_S = 0.005  # how long a launched step waits for the next batch before it is read
 
 
 class MlxThread(threading.Thread):
@@ -26,6 +27,7 @@ class MlxThread(threading.Thread):
         self.shell, self.loop, self.log = shell, loop, shell.log
         self.inbox: queue.Queue = queue.Queue()
         self.loaded = loop.create_future()
+        self.last_sent = 0.0
 
     def _runner(self, model) -> ModelRunner:
         cfg, info = self.shell.cfg, self.shell.model
@@ -45,32 +47,100 @@ class MlxThread(threading.Thread):
     def run(self) -> None:
         try:
             model = load_model(self.shell.model.path)
-            runner = self._runner(model)
+            self.model, self.runner = model, self._runner(model)
         except Exception as e:
             self.loop.call_soon_threadsafe(self.loaded.set_exception, e)
             return
         self.loop.call_soon_threadsafe(self.loaded.set_result, None)
-        stats = Utilisation(self.log, self.shell.cfg.log.stats_interval_s)
+        self.stats = Utilisation(self.log, self.shell.cfg.log.stats_interval_s)
+        # With overlap the scheduler sends step N+1 before it has step N's result: wait that
+        # long for it before reading step N back, so N+1 is built while N computes.
+        follow_s = FOLLOW_S if self.shell.cfg.scheduler.overlap else 0.0
+        pipeline = Pipeline(self)
         while True:
             try:
-                batch = self.inbox.get(timeout=stats.interval)
+                batch = self.inbox.get(timeout=follow_s if pipeline.busy else self.stats.interval)
             except queue.Empty:
-                stats.maybe_report()
+                if pipeline.busy:
+                    pipeline.flush()
+                else:
+                    self.stats.maybe_report()
                 continue
             if batch is _STOP:
+                pipeline.flush()
                 return
-            started = time.perf_counter()
-            try:
-                result = runner.step(batch)
-            except Exception as e:
-                # The runner's memory may be half-updated: drop every row's state and let the
-                # scheduler end the requests of this step with an error.
-                self.log.error("step.error", step=batch.step, error=repr(e),
-                               traceback=traceback.format_exc())
-                runner = self._runner(model)
-                result = m.StepResult(step=batch.step, rows=[], tokens=[], error=repr(e))
-            self.loop.call_soon_threadsafe(self.shell.send_now, "scheduler", result)
-            stats.step(time.perf_counter() - started, len(result.tokens))
+            pipeline.launch(batch)
+
+    def reset(self) -> None:
+        """The runner's memory may be half-updated: drop every row's state."""
+        self.runner = self._runner(self.model)
+
+    def send(self, result: m.StepResult, started: float) -> None:
+        self.loop.call_soon_threadsafe(self.shell.send_now, "scheduler", result)
+        # Launched steps overlap: count each stretch of wall time once.
+        now = time.perf_counter()
+        self.stats.step(now - max(started, self.last_sent), len(result.tokens))
+        self.last_sent = now
+
+
+class Pipeline:
+    """At most one launched step whose result is not read back yet. Launching the next step
+    first and then reading the previous one keeps the MLX stream fed while Python builds
+    graphs, as mlx_lm.generate's async_eval loop does; the previous result is sent as soon as
+    the new step would have to wait for MLX (or when it is built)."""
+
+    def __init__(self, thread: MlxThread):
+        self.thread = thread
+        self.pending: tuple[m.ForwardBatch, Launched, float] | None = None
+        self.launching = False
+        self.failed = False  # the pending step failed while the next one was being built
+
+    @property
+    def busy(self) -> bool:
+        return self.pending is not None
+
+    def flush(self) -> None:
+        """Read the pending step back and send its result."""
+        if self.pending is None:
+            return
+        batch, launched, started = self.pending
+        self.pending = None
+        try:
+            result = self.thread.runner.finish(launched)
+        except Exception as e:
+            result = self._error(batch, e)
+            if self.launching:
+                self.failed = True  # reset once the step being built is abandoned
+            else:
+                self.thread.reset()
+        self.thread.send(result, started)
+
+    def launch(self, batch: m.ForwardBatch) -> None:
+        started = time.perf_counter()
+        self.launching = True
+        try:
+            launched = self.thread.runner.launch(batch, before_wait=self.flush)
+        except Exception as e:
+            self.launching = False
+            self.flush()  # the earlier step's result first: the scheduler expects them in order
+            self.thread.send(self._error(batch, e), started)
+            self.thread.reset()
+            self.failed = False
+            return
+        self.launching = False
+        self.flush()
+        if self.failed:  # the step it was built on failed: so does this one
+            self.thread.send(self._error(batch, RuntimeError("an earlier step failed")), started)
+            self.thread.reset()
+            self.failed = False
+            return
+        self.pending = (batch, launched, started)
+
+    def _error(self, batch: m.ForwardBatch, e: Exception) -> m.StepResult:
+        # The scheduler ends the requests of this step with the error.
+        self.thread.log.error("step.error", step=batch.step, error=repr(e),
+                              traceback=traceback.format_exc())
+        return m.StepResult(step=batch.step, rows=[], tokens=[], error=repr(e))
 
 
 class Utilisation:

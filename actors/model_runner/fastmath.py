@@ -25,7 +25,7 @@ from __future__ import annotations
 import sys
 import threading
 from contextlib import contextmanager
-from typing import Iterator
+from typing import Callable, Iterator
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -40,14 +40,24 @@ _state = threading.local()
 
 
 @contextmanager
-def active(on: bool = True) -> Iterator[None]:
-    """Take the NumPy path on this thread (where install() has patched the model's modules)."""
-    before = getattr(_state, "on", False)
-    _state.on = on
+def active(on: bool = True, before_wait: Callable[[], None] | None = None) -> Iterator[None]:
+    """Take the NumPy path on this thread (where install() has patched the model's modules).
+    before_wait runs once, before the first wait for MLX values (see before_wait())."""
+    saved = getattr(_state, "on", False), getattr(_state, "hook", None)
+    _state.on, _state.hook = on, before_wait
     try:
         yield
     finally:
-        _state.on = before
+        _state.on, _state.hook = saved
+
+
+def before_wait() -> None:
+    """About to block on MLX values: run the hook active() was given (the runner actor sends
+    the previous step's result there, so it does not wait behind this step), once."""
+    hook = getattr(_state, "hook", None)
+    if hook is not None:
+        _state.hook = None
+        hook()
 
 
 def _wanted(*arrays: mx.array) -> bool:
@@ -57,6 +67,7 @@ def _wanted(*arrays: mx.array) -> bool:
 
 def softmax(scores: mx.array) -> mx.array:
     """Softmax over the last axis, computed by NumPy (evaluates `scores`)."""
+    before_wait()
     a = np.asarray(scores)  # a view of MLX's buffer: never written
     e = np.exp(a - a.max(axis=-1, keepdims=True))
     e /= e.sum(axis=-1, keepdims=True)
@@ -114,6 +125,7 @@ def swiglu(gate: mx.array, x: mx.array) -> mx.array:
     """silu(gate) * x, with the sigmoid's exp in NumPy when it pays."""
     if gate.size < MIN_ELEMENTS or not _wanted(gate, x):
         return _stock_swiglu(gate, x)
+    before_wait()
     with np.errstate(over="ignore"):  # exp(-gate) = inf for gate < -88: silu is -0.0 there
         decay = mx.array(np.exp(-np.asarray(gate)))
     return gate * x / (1.0 + decay)

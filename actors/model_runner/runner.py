@@ -16,7 +16,8 @@ slot.
 from __future__ import annotations
 
 import time
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Callable
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -26,7 +27,17 @@ from protocol import messages as m
 from protocol.codec import unpack_ids
 from actors.model_runner.memory import ATTENTION, LINEAR, KvPool, StatePool, layer_kinds
 from actors.model_runner import fastmath, skinny
-from actors.model_runner.sampling import RowParams, Sampler
+from actors.model_runner.sampling import Pending, RowParams, Sampler
+
+
+@dataclass
+class Launched:
+    """A step queued on the MLX stream, its results not read back yet."""
+
+    step: int
+    rows: list[int]  # the rows that sample, in the StepResult's order
+    parts: list[tuple[list[int], Pending]]  # the samples, by the rows they were drawn for
+    started: float
 
 
 class StepError(RuntimeError):
@@ -82,10 +93,18 @@ class ModelRunner:
         return {i: [(a.shape[1:], a.dtype) for a in cache[i].cache] for i in self.linear}
 
     def step(self, batch: m.ForwardBatch) -> m.StepResult:
-        with fastmath.active(self.fast_math):
-            return self._step(batch)
+        return self.finish(self.launch(batch))
 
-    def _step(self, batch: m.ForwardBatch) -> m.StepResult:
+    def launch(self, batch: m.ForwardBatch, before_wait: Callable[[], None] | None = None
+               ) -> Launched:
+        """Queue the step's work on the MLX stream and return without reading anything back,
+        so the caller can launch the next step (its inputs are this step's lazy tokens in
+        token_buf) before finish() waits for this one. Where building the step must wait for
+        values (NumPy softmax, a prompt chunk's caches), before_wait runs first, once."""
+        with fastmath.active(self.fast_math, before_wait):
+            return self._launch(batch)
+
+    def _launch(self, batch: m.ForwardBatch) -> Launched:
         t0 = time.perf_counter()
         for op in batch.ops:
             self._apply(op)
@@ -99,7 +118,7 @@ class ModelRunner:
                 self.row_state[row] = state
         self._keep_decoding([r for r, f in zip(batch.rows, batch.future) if f])
 
-        sampled: dict[int, tuple] = {}
+        parts: list[tuple[list[int], Pending]] = []  # sampled rows and their lazy results
         joining: dict[int, int] = {}  # row -> its last prompt token, run in the decode forward
         ids = unpack_ids(batch.input_ids)
         at = 0
@@ -107,37 +126,47 @@ class ModelRunner:
                                            batch.future, batch.sample):
             if fut:
                 continue
-            token = self._prefill(row, ids[at:at + n], start, smp, joining)
+            got = self._prefill(row, ids[at:at + n], start, smp, joining)
             at += n
-            if token is not None:
-                sampled[row] = token
+            if got is not None:
+                parts.append(([row], got))
         if self.decode_rows:
-            sampled.update(self._decode(joining))
+            parts.append((list(self.decode_rows), self._decode(joining)))
 
         # Pool writes are lazy scatters: evaluated with each step, or every step would chain
         # onto the last and keep its arrays alive until a later read.
-        pools = [p.all_arrays() for p in (self.kv_pool, self.states) if p is not None]
-        if pools:
-            mx.async_eval(pools)
+        pending = [p.all_arrays() for p in (self.kv_pool, self.states) if p is not None]
         out_rows = [r for r, s in zip(batch.rows, batch.sample) if s]
-        token_list = [sampled[r][0] for r in out_rows]
         if out_rows:
-            self.token_buf[mx.array(out_rows)] = mx.array(token_list, dtype=mx.int32)
+            where = {r: i for i, r in enumerate(r for rows, _ in parts for r in rows)}
+            tokens = parts[0][1].tokens if len(parts) == 1 else mx.concatenate(
+                [got.tokens for _, got in parts])
+            pick = [where[r] for r in out_rows]
+            if pick != list(range(len(where))):
+                tokens = tokens[mx.array(pick)]
+            self.token_buf[mx.array(out_rows)] = tokens
+            pending += [self.token_buf, *(got.arrays() for _, got in parts)]
+        mx.async_eval(pending)
+        return Launched(batch.step, out_rows, parts, t0)
+
+    def finish(self, launched: Launched) -> m.StepResult:
+        """Wait for a launched step and read its tokens (and logprobs) back."""
+        sampled: dict[int, tuple] = {}
+        for rows, got in launched.parts:
+            res = got.resolve()
+            for i, r in enumerate(rows):
+                sampled[r] = (res.tokens[i], res.logprobs[i] if res.logprobs else None,
+                              res.top_ids[i] if res.top_ids else None,
+                              res.top_logprobs[i] if res.top_logprobs else None)
+        out_rows = launched.rows
         extra = {}
         if any(sampled[r][1] is not None for r in out_rows):
             extra = {"logprobs": [sampled[r][1] or 0.0 for r in out_rows],
                      "top_ids": [sampled[r][2] or [] for r in out_rows],
                      "top_logprobs": [sampled[r][3] or [] for r in out_rows]}
-        return m.StepResult(step=batch.step, rows=out_rows, tokens=token_list,
-                            forward_s=time.perf_counter() - t0, **extra)
-
-    def _sample(self, rows: list[int], logits: mx.array) -> dict[int, tuple]:
-        """row -> (token, logprob, top ids, top logprobs); the last three None if not asked."""
-        got = self.sampler.sample(rows, logits)
-        return {r: (got.tokens[i], got.logprobs[i] if got.logprobs else None,
-                    got.top_ids[i] if got.top_ids else None,
-                    got.top_logprobs[i] if got.top_logprobs else None)
-                for i, r in enumerate(rows)}
+        return m.StepResult(step=launched.step, rows=out_rows,
+                            tokens=[sampled[r][0] for r in out_rows],
+                            forward_s=time.perf_counter() - launched.started, **extra)
 
     # -- ops -----------------------------------------------------------------------------------
 
@@ -167,6 +196,7 @@ class ModelRunner:
             caches, index, pad = self.prefilling.get(row) or self.parked[row], 0, 0
         elif row in self.decode_rows:
             caches, index = self.decode_cache, self.decode_rows.index(row)
+            fastmath.before_wait()
             pad = int(caches[self.attention[0]].left_padding[index].item())
         else:
             raise StepError(f"KV save for row {row}, which holds no KV")
@@ -197,6 +227,7 @@ class ModelRunner:
             raise StepError(f"rows {sorted(missing)} decode but were never prefilled")
         if set(rows) == set(self.decode_rows):
             return
+        fastmath.before_wait()  # mlx-lm's extract and filter read the paddings back
         wanted = set(rows)
         if park:
             for i, r in enumerate(self.decode_rows):
@@ -211,7 +242,7 @@ class ModelRunner:
             c.filter(index)
         self.decode_rows = [self.decode_rows[i] for i in keep]
 
-    def _decode(self, joining: dict[int, int]) -> dict[int, tuple]:
+    def _decode(self, joining: dict[int, int]) -> Pending:
         rows = mx.array(self.decode_rows)
         if joining:
             self.token_buf[mx.array(list(joining))] = mx.array(list(joining.values()),
@@ -219,17 +250,17 @@ class ModelRunner:
         inputs = self.token_buf[rows][:, None]
         logits = self.model(inputs, cache=self.decode_cache)[:, -1, :]
         self._write_states(self.decode_rows, self.decode_cache)
-        return self._sample(self.decode_rows, logits)
+        return self.sampler.launch(self.decode_rows, logits)
 
     # -- prefill -------------------------------------------------------------------------------
 
     def _prefill(self, row: int, ids: list[int], start: int, sample: bool,
-                 joining: dict[int, int]) -> tuple | None:
+                 joining: dict[int, int]) -> Pending | None:
         """Run a prompt chunk. The last chunk's last token is left to this step's decode
         forward (added to `joining`): its logits then come out of the batched LM head, a
         vocab-wide matmul that costs ~1 ms more per row there and ~35 ms as a forward of its
-        own (qwen3-small). Returns a sampled token only for a one-token prompt with nothing
-        cached, whose empty cache cannot join the batch and so runs alone."""
+        own (qwen3-small). Returns a sample only for a one-token prompt with nothing cached,
+        whose empty cache cannot join the batch and so runs alone."""
         cache = self.prefilling.get(row)
         if cache is None or start == 0:
             cache = self._new_prompt_cache(row, start)
@@ -239,6 +270,7 @@ class ModelRunner:
         if not sample:
             self.model(mx.array(ids)[None], cache=cache)  # logits unused: never evaluated
             self._write_states([row], cache)
+            fastmath.before_wait()
             mx.eval([c.state for c in cache])
             return None
         del self.prefilling[row]
@@ -246,7 +278,7 @@ class ModelRunner:
             logits = self.model(mx.array(ids)[None], cache=cache)
             self._write_states([row], cache)
             self._join_decode(row, cache)
-            return self._sample([row], logits[:, -1, :])[row]
+            return self.sampler.launch([row], logits[:, -1, :])
         if len(ids) > 1:
             self.model(mx.array(ids[:-1])[None], cache=cache)  # logits never evaluated
         self._join_decode(row, cache)

@@ -56,6 +56,32 @@ class Sampled:
     top_logprobs: list[list[float]] | None
 
 
+@dataclass
+class Pending:
+    """A sample not read back yet: lazy MLX arrays, so the caller can queue more work behind
+    them (the runner builds its next step first) before resolve() waits for the values."""
+
+    tokens: mx.array  # int32 [rows]
+    logprobs: mx.array | None = None  # [rows]
+    top_ids: mx.array | None = None  # [rows, kmax], best first
+    top_logprobs: mx.array | None = None
+    keep: list[int] | None = None  # per row, how many of the top alternatives it asked for
+
+    def arrays(self) -> list[mx.array]:
+        return [a for a in (self.tokens, self.logprobs, self.top_ids, self.top_logprobs)
+                if a is not None]
+
+    def resolve(self) -> Sampled:
+        mx.eval(self.arrays())
+        chosen = self.logprobs.tolist() if self.logprobs is not None else None
+        top_ids = top_lps = None
+        if self.top_ids is not None:
+            ids, vals = self.top_ids.tolist(), self.top_logprobs.tolist()
+            top_ids = [row[:k] for row, k in zip(ids, self.keep)]
+            top_lps = [row[:k] for row, k in zip(vals, self.keep)]
+        return Sampled(self.tokens.tolist(), chosen, top_ids, top_lps)
+
+
 def _splitmix64(x: int) -> int:
     x = (x + 0x9E3779B97F4A7C15) & _U64
     x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _U64
@@ -195,15 +221,19 @@ class Sampler:
 
     def sample(self, rows: list[int], logits: mx.array) -> Sampled:
         """logits [len(rows), V] for those rows, in that order."""
+        return self.launch(rows, logits).resolve()
+
+    def launch(self, rows: list[int], logits: mx.array) -> Pending:
+        """sample() without reading the values back. The rows' histories advance now, so
+        the next launch for them may come before this one is resolved."""
         idx = np.asarray(rows, np.int64)
         if logits.shape != (len(rows), self.vocab):
             raise ValueError(f"logits {logits.shape} for {len(rows)} rows x {self.vocab}")
         if not self.live[idx].all():
             raise KeyError(f"rows {[r for r in rows if not self.live[r]]} were not admitted")
         if self.plain[idx].all() and (self.generated[idx] >= self.mask_until[idx]).all():
-            tokens = mx.argmax(logits, axis=-1).tolist()  # plain greedy: one argmax, no copies
-            self.generated[idx] += 1
-            return Sampled(tokens, None, None, None)
+            self.generated[idx] += 1  # plain greedy: one argmax, no copies
+            return Pending(mx.argmax(logits, axis=-1).astype(mx.int32))
         return self._sample_full(rows, idx, logits)
 
     def process(self, rows: list[int], logits: mx.array) -> mx.array:
@@ -236,7 +266,7 @@ class Sampler:
             x[mx.array(r), mx.array(t)] = -mx.inf
         return x
 
-    def _sample_full(self, rows: list[int], idx: np.ndarray, logits: mx.array) -> Sampled:
+    def _sample_full(self, rows: list[int], idx: np.ndarray, logits: mx.array) -> Pending:
         self.full_calls += 1
         ps = [self.params[r] for r in rows]
         x = self.process(rows, logits)
@@ -250,28 +280,22 @@ class Sampler:
                                np.array([ps[i].min_p for i in drawn]))
             noise = self._noise([rows[i] for i in drawn], [ps[i] for i in drawn])
             tokens[at] = mx.argmax(xs + noise, axis=-1)
-        out = [tokens]
-        want = any(p.logprobs or p.top_logprobs for p in ps)
+        tokens = tokens.astype(mx.int32)
+        out = Pending(tokens)
         kmax = min(max(p.top_logprobs for p in ps), self.vocab)
-        if want:
+        if any(p.logprobs or p.top_logprobs for p in ps):
             raw = logits.astype(mx.float32)
             lp = raw - mx.logsumexp(raw, axis=-1, keepdims=True)
-            out.append(mx.take_along_axis(lp, tokens[:, None].astype(mx.int32), axis=-1)[:, 0])
+            out.logprobs = mx.take_along_axis(lp, tokens[:, None], axis=-1)[:, 0]
         if kmax:
             top = mx.argpartition(-lp, kth=kmax - 1, axis=-1)[:, :kmax]
             vals = mx.take_along_axis(lp, top, axis=-1)
             order = mx.argsort(-vals, axis=-1)
-            out += [mx.take_along_axis(top, order, axis=-1), mx.take_along_axis(vals, order, axis=-1)]
-        mx.eval(out)
-        token_list = tokens.tolist()
-        self._record(rows, idx, token_list)
-        chosen = out[1].tolist() if want else None
-        top_ids = top_lps = None
-        if kmax:
-            ids, vals = out[2].tolist(), out[3].tolist()
-            top_ids = [ids[i][:p.top_logprobs] for i, p in enumerate(ps)]
-            top_lps = [vals[i][:p.top_logprobs] for i, p in enumerate(ps)]
-        return Sampled(token_list, chosen, top_ids, top_lps)
+            out.top_ids = mx.take_along_axis(top, order, axis=-1)
+            out.top_logprobs = mx.take_along_axis(vals, order, axis=-1)
+            out.keep = [p.top_logprobs for p in ps]
+        self._record(rows, idx, tokens)
+        return out
 
     def _noise(self, rows: list[int], ps: list[RowParams]) -> mx.array:
         """Gumbel noise [n, V], one row per drawn row, in order. Seeded rows each draw from
@@ -291,11 +315,11 @@ class Sampler:
             noise = noise[mx.array(np.argsort(order))]
         return noise
 
-    def _record(self, rows: list[int], idx: np.ndarray, tokens: list[int]) -> None:
+    def _record(self, rows: list[int], idx: np.ndarray, tokens: mx.array) -> None:
         self.generated[idx] += 1
-        for row, token in zip(rows, tokens):
-            if row in self.counts:
-                self.counts[row] = self.counts[row].at[token].add(1.0)
+        for i, row in enumerate(rows):
+            if row in self.counts:  # lazily: the token is not read back here
+                self.counts[row] = self.counts[row].at[tokens[i]].add(1.0)
 
 
 def _col(values: list[float]) -> mx.array:

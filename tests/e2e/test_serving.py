@@ -194,15 +194,18 @@ def test_bad_requests_get_error_replies_and_the_server_keeps_serving(graph):
         with pytest.raises(ServerError, match="empty prompt"):
             client.generate("")
         ok = client.generate("Hello world", max_new_tokens=4)
-        assert ok.finish_reason == "length" and len(ok.token_ids) == 4
+        assert ok.finish_reason == "length" and len(ok.token_ids) == 4, ok
 
 
 def test_lifecycle_is_in_the_logs_with_rids(graph):
     with Client(graph.address, timeout=60) as client:
-        client.generate("Hello world", max_new_tokens=3)
-    done = graph.wait_for("request.finished", actor="tokenizer")
+        client.generate("Hello world", max_new_tokens=3, req_id="lifecycle")
+    # Earlier tests' requests are in the same log: find this one's rid by its req_id.
+    received = graph.wait_for("request.received", actor="tokenizer", req_id="lifecycle")
+    assert received, "no request.received event"
+    rid = received[-1]["rid"]
+    done = graph.wait_for("request.finished", actor="tokenizer", rid=rid)
     assert done, "no request.finished event"
-    rid = done[-1]["rid"]
     for event, actor in [("request.received", "tokenizer"), ("request.admitted", "scheduler"),
                          ("request.first_token", "tokenizer")]:
         found = graph.events(event, rid=rid)
