@@ -108,11 +108,12 @@ class Pipeline:
         try:
             result = self.thread.runner.finish(launched)
         except Exception as e:
-            result = self._error(batch, e)
+            self.thread.send(self._error(batch, e), started)
             if self.launching:
                 self.failed = True  # reset once the step being built is abandoned
             else:
                 self.thread.reset()
+            return
         self.thread.send(result, started)
 
     def launch(self, batch: m.ForwardBatch) -> None:
