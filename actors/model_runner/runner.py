@@ -26,7 +26,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from protocol import messages as m
 from protocol.codec import unpack_ids
 from actors.model_runner.memory import ATTENTION, LINEAR, KvPool, StatePool, layer_kinds
-from actors.model_runner import fastmath, skinny
+from actors.model_runner import fastmath, head, skinny
 from actors.model_runner.sampling import Pending, RowParams, Sampler
 
 
@@ -55,6 +55,7 @@ class ModelRunner:
         self.fast_math = fast_math
         self.eos_ids = tuple(eos_ids)
         self.sampler = Sampler(vocab_size or self._vocab_width(), max_rows)
+        head.install(model, self.sampler.vocab)
         kinds = layer_kinds(model)
         self.attention = [i for i, k in enumerate(kinds) if k == ATTENTION]
         self.linear = [i for i, k in enumerate(kinds) if k == LINEAR]
@@ -120,18 +121,21 @@ class ModelRunner:
 
         parts: list[tuple[list[int], Pending]] = []  # sampled rows and their lazy results
         joining: dict[int, int] = {}  # row -> its last prompt token, run in the decode forward
+        done: list[tuple[int, list[Any]]] = []  # prompts sampled on their own: decode from next step
         ids = unpack_ids(batch.input_ids)
         at = 0
         for row, n, start, fut, smp in zip(batch.rows, batch.input_lens, batch.start_pos,
                                            batch.future, batch.sample):
             if fut:
                 continue
-            got = self._prefill(row, ids[at:at + n], start, smp, joining)
+            got = self._prefill(row, ids[at:at + n], start, smp, joining, done)
             at += n
             if got is not None:
                 parts.append(([row], got))
         if self.decode_rows:
             parts.append((list(self.decode_rows), self._decode(joining)))
+        for row, cache in done:
+            self._join_decode(row, cache)
 
         # Pool writes are lazy scatters: evaluated with each step, or every step would chain
         # onto the last and keep its arrays alive until a later read.
@@ -255,12 +259,12 @@ class ModelRunner:
     # -- prefill -------------------------------------------------------------------------------
 
     def _prefill(self, row: int, ids: list[int], start: int, sample: bool,
-                 joining: dict[int, int]) -> Pending | None:
-        """Run a prompt chunk. The last chunk's last token is left to this step's decode
-        forward (added to `joining`): its logits then come out of the batched LM head, a
-        vocab-wide matmul that costs ~1 ms more per row there and ~35 ms as a forward of its
-        own (qwen3-small). Returns a sample only for a one-token prompt with nothing cached,
-        whose empty cache cannot join the batch and so runs alone."""
+                 joining: dict[int, int], done: list[tuple[int, list[Any]]]) -> Pending | None:
+        """Run a prompt chunk. Where rows decode in this step, the last chunk's last token is
+        left to the decode forward (added to `joining`): its logits then come out of the
+        batched LM head, ~1 ms more per row there. With nothing decoding, the chunk runs whole
+        with the head on its last position only (one pass over the weights, not the two of
+        a chunk and then a one-token forward)."""
         cache = self.prefilling.get(row)
         if cache is None or start == 0:
             cache = self._new_prompt_cache(row, start)
@@ -274,10 +278,12 @@ class ModelRunner:
             mx.eval([c.state for c in cache])
             return None
         del self.prefilling[row]
-        if start == 0 and len(ids) == 1:
-            logits = self.model(mx.array(ids)[None], cache=cache)
+        # An empty cache (a one-token prompt, nothing cached) cannot join a batch either.
+        if not self.decode_rows or (start == 0 and len(ids) == 1):
+            with head.last_only():
+                logits = self.model(mx.array(ids)[None], cache=cache)
             self._write_states([row], cache)
-            self._join_decode(row, cache)
+            done.append((row, cache))  # joins the batch after this step's decode forward
             return self.sampler.launch([row], logits[:, -1, :])
         if len(ids) > 1:
             self.model(mx.array(ids[:-1])[None], cache=cache)  # logits never evaluated

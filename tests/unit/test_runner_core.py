@@ -155,3 +155,16 @@ def test_long_chunks_take_the_numpy_softmax_and_keep_tokens_identical(setup, dep
     got, _ = run(path, info, arrivals, max_rows=8, depth=depth, chunk=256)
     _check_all(oracle, arrivals, got)
     assert any(shape[-2] >= 180 for shape in calls), calls  # prefill chunks
+
+
+@pytest.mark.parametrize("depth", [1, 2], ids=["plain", "overlap"])
+def test_one_token_prompts_alone_and_beside_decodes_match_mlx_lm(setup, depth):
+    """A one-token prompt has an empty cache: it runs on its own (head on its one position)
+    and joins the decode batch only after that step's decode forward, alone or not."""
+    path, oracle, info = setup
+    long = oracle.tokenizer.encode(PROMPTS[4])
+    arrivals = {0: [("alone", [9707], 6)],
+                12: [("long", long, 12)],
+                16: [("beside", [1879], 6), ("two", [9707, 1879], 5)]}
+    got, _ = run(path, info, arrivals, depth=depth, chunk=64)
+    _check_all(oracle, arrivals, got)
