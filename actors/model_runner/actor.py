@@ -120,18 +120,16 @@ class Pipeline:
         started = time.perf_counter()
         self.launching = True
         try:
-            launched = self.thread.runner.launch(batch, before_wait=self.flush)
+            launched, error = self.thread.runner.launch(batch, before_wait=self.flush), None
         except Exception as e:
+            launched, error = None, e
+        finally:
             self.launching = False
-            self.flush()  # the earlier step's result first: the scheduler expects them in order
-            self.thread.send(self._error(batch, e), started)
-            self.thread.reset()
-            self.failed = False
-            return
-        self.launching = False
-        self.flush()
-        if self.failed:  # the step it was built on failed: so does this one
-            self.thread.send(self._error(batch, RuntimeError("an earlier step failed")), started)
+        self.flush()  # the earlier step's result first: the scheduler expects them in order
+        if error is None and self.failed:
+            error = RuntimeError("the step it was built on failed")
+        if error is not None:
+            self.thread.send(self._error(batch, error), started)
             self.thread.reset()
             self.failed = False
             return
@@ -140,7 +138,7 @@ class Pipeline:
     def _error(self, batch: m.ForwardBatch, e: Exception) -> m.StepResult:
         # The scheduler ends the requests of this step with the error.
         self.thread.log.error("step.error", step=batch.step, error=repr(e),
-                              traceback=traceback.format_exc())
+                              traceback="".join(traceback.format_exception(e)))
         return m.StepResult(step=batch.step, rows=[], tokens=[], error=repr(e))
 
 

@@ -35,8 +35,9 @@ class Launched:
     """A step queued on the MLX stream, its results not read back yet."""
 
     step: int
-    rows: list[int]  # the rows that sample, in the StepResult's order
-    parts: list[tuple[list[int], Pending]]  # the samples, by the rows they were drawn for
+    rows: list[int]  # the rows that sample, in the batch's (and the StepResult's) order
+    parts: list[Pending]  # the samples, in the order they were drawn
+    pick: list[int] | None  # rows[i] is drawn sample pick[i]; None: the same order
     started: float
 
 
@@ -141,35 +142,33 @@ class ModelRunner:
         # onto the last and keep its arrays alive until a later read.
         pending = [p.all_arrays() for p in (self.kv_pool, self.states) if p is not None]
         out_rows = [r for r, s in zip(batch.rows, batch.sample) if s]
+        drawn = [r for rows, _ in parts for r in rows]
+        where = {r: i for i, r in enumerate(drawn)}
+        pick = [where[r] for r in out_rows]
+        pick = None if pick == list(range(len(drawn))) else pick
         if out_rows:
-            where = {r: i for i, r in enumerate(r for rows, _ in parts for r in rows)}
-            tokens = parts[0][1].tokens if len(parts) == 1 else mx.concatenate(
-                [got.tokens for _, got in parts])
-            pick = [where[r] for r in out_rows]
-            if pick != list(range(len(where))):
-                tokens = tokens[mx.array(pick)]
-            self.token_buf[mx.array(out_rows)] = tokens
+            tokens = mx.concatenate([got.tokens for _, got in parts])
+            self.token_buf[mx.array(out_rows)] = tokens if pick is None else tokens[
+                mx.array(pick)]
             pending += [self.token_buf, *(got.arrays() for _, got in parts)]
         mx.async_eval(pending)
-        return Launched(batch.step, out_rows, parts, t0)
+        return Launched(batch.step, out_rows, [got for _, got in parts], pick, t0)
 
     def finish(self, launched: Launched) -> m.StepResult:
         """Wait for a launched step and read its tokens (and logprobs) back."""
-        sampled: dict[int, tuple] = {}
-        for rows, got in launched.parts:
-            res = got.resolve()
-            for i, r in enumerate(rows):
-                sampled[r] = (res.tokens[i], res.logprobs[i] if res.logprobs else None,
-                              res.top_ids[i] if res.top_ids else None,
-                              res.top_logprobs[i] if res.top_logprobs else None)
-        out_rows = launched.rows
+        got = [p.resolve() for p in launched.parts]
+        tokens = [t for g in got for t in g.tokens]
+        order = range(len(tokens)) if launched.pick is None else launched.pick
         extra = {}
-        if any(sampled[r][1] is not None for r in out_rows):
-            extra = {"logprobs": [sampled[r][1] or 0.0 for r in out_rows],
-                     "top_ids": [sampled[r][2] or [] for r in out_rows],
-                     "top_logprobs": [sampled[r][3] or [] for r in out_rows]}
-        return m.StepResult(step=launched.step, rows=out_rows,
-                            tokens=[sampled[r][0] for r in out_rows],
+        if any(g.logprobs is not None for g in got):
+            n = [len(g.tokens) for g in got]
+            columns = {"logprobs": [x for g, k in zip(got, n) for x in g.logprobs or [0.0] * k],
+                       "top_ids": [x for g, k in zip(got, n) for x in g.top_ids or [[]] * k],
+                       "top_logprobs": [x for g, k in zip(got, n)
+                                        for x in g.top_logprobs or [[]] * k]}
+            extra = {name: [col[i] for i in order] for name, col in columns.items()}
+        return m.StepResult(step=launched.step, rows=launched.rows,
+                            tokens=[tokens[i] for i in order],
                             forward_s=time.perf_counter() - launched.started, **extra)
 
     # -- ops -----------------------------------------------------------------------------------
