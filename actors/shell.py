@@ -57,12 +57,13 @@ class Shell:
             sock = self._pushes[peer] = push_socket(self.zctx, self.addrs.inbox(peer))
         return sock
 
-    async def send(self, peer: str, msg: msgspec.Struct) -> None:
-        await self._push(peer).send(encode(msg))
+    async def send(self, peer: str, msg: msgspec.Struct | bytes) -> None:
+        """A message, or one encoded already (bytes)."""
+        await self._push(peer).send(msg if isinstance(msg, bytes) else encode(msg))
 
-    def send_now(self, peer: str, msg: msgspec.Struct) -> None:
+    def send_now(self, peer: str, msg: msgspec.Struct | bytes) -> None:
         """Send from synchronous code (PUSH with no high-water mark never blocks)."""
-        self._push(peer).send(encode(msg))
+        self._push(peer).send(msg if isinstance(msg, bytes) else encode(msg))
 
     async def ready(self, **info: str) -> None:
         self.log.info("actor.ready", **info)

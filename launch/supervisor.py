@@ -51,6 +51,7 @@ class Supervisor:
         self.procs: dict[str, mp.Process] = {}
         self.zctx = zmq.asyncio.Context()
         self.exit_code = 0
+        self.deaths: list[asyncio.Future] = []  # death reports being collected
 
     async def run(self) -> int:
         loop = asyncio.get_running_loop()
@@ -107,7 +108,7 @@ class Supervisor:
             for name in pending:
                 code = self.procs[name].exitcode
                 if code is not None:
-                    raise StartupError(f"actor {name} exited with code {code} before ready")
+                    raise StartupError(f"actor {name} exited ({exit_text(code)}) before ready")
             left = deadline - time.monotonic()
             if self.stop.done():
                 raise StartupError(f"interrupted by {self.stop.result()[0]} while starting")
@@ -148,10 +149,17 @@ class Supervisor:
 
     def _died(self, name: str) -> None:
         proc = self.procs[name]
-        proc.join(0)
+        asyncio.get_running_loop().remove_reader(proc.sentinel)  # fires while readable
+        self.deaths.append(asyncio.ensure_future(self._report_death(name)))
+
+    async def _report_death(self, name: str) -> None:
+        """The sentinel closes while the process exits, before it can be reaped: collect its
+        exit code or signal first, so the reason names it."""
+        proc = self.procs[name]
+        await _join(proc, 5.0)
         self.exit_code = 1
         self.log.error("actor.died", name=name, exit_code=proc.exitcode)
-        self._stop_once(f"actor {name} died (exit code {proc.exitcode})", False)
+        self._stop_once(f"actor {name} died ({exit_text(proc.exitcode)})", False)
 
     async def _shutdown(self, reason: str, drain: bool) -> None:
         self.log.info("launch.shutdown", reason=reason, drain=drain)
@@ -176,6 +184,18 @@ class Supervisor:
                 await _join(proc, 2.0)
         for name, proc in self.procs.items():
             self.log.info("actor.exited", name=name, exit_code=proc.exitcode)
+
+
+def exit_text(code: int | None) -> str:
+    """How a process ended, as a person reads it."""
+    if code is None:
+        return "exit status not collected"
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
 
 
 async def _join(proc: mp.Process, timeout: float) -> None:

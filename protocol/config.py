@@ -90,6 +90,19 @@ class CacheConfig(Section):
     snapshot_interval: Annotated[int, Meta(ge=0)] = 128
 
 
+class LimitsConfig(Section):
+    """What one client request may hold, on both APIs (ZMQ frames and HTTP bodies). Past a limit
+    the request gets a 400 naming it; nothing past one reaches the tokenizer or the graph."""
+
+    max_frame_bytes: Positive = 16 << 20  # one ZMQ request frame
+    max_body_bytes: Positive = 16 << 20  # one HTTP request body
+    # Nesting of arrays and maps anywhere in a request (JSON bodies, chat_template_kwargs).
+    max_depth: Annotated[int, Meta(ge=4, le=1000)] = 64
+    max_string_chars: Positive = 4 << 20  # any one string (a prompt, a message, a stop string)
+    max_list_items: Positive = 1 << 20  # any one list or map (input_ids, messages, logit_bias)
+    max_stop_strings: Positive = 16
+
+
 class LogConfig(Section):
     level: Literal["debug", "info", "warning", "error"] = "info"
     # auto: console when stderr is a terminal, JSON lines otherwise.
@@ -113,6 +126,7 @@ class Config(Section):
     memory: MemoryConfig = MemoryConfig()
     runtime: RuntimeConfig = RuntimeConfig()
     cache: CacheConfig = CacheConfig()
+    limits: LimitsConfig = LimitsConfig()
     log: LogConfig = LogConfig()
     launch: LaunchConfig = LaunchConfig()
 

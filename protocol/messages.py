@@ -56,6 +56,13 @@ class ClientWire(msgspec.Struct, frozen=True, gc=False, tag_field="type",
 # Client API (a DEALER client talks to the tokenizer's ROUTER socket)
 
 
+# Numbers a request carries must fit the wire inside the graph (msgpack int64, finite floats):
+# every int field has an upper bound, every float field a finite range.
+INT64_MAX = 2**63 - 1
+Count = Annotated[int, Meta(ge=0, le=INT64_MAX)]
+TokenId = Annotated[int, Meta(ge=0, le=2**31 - 1)]  # int32 on the wire; the vocabulary checks later
+
+
 class ChatMessage(msgspec.Struct, frozen=True, gc=False):
     role: str
     content: str
@@ -67,23 +74,23 @@ class GenerateRequest(ClientWire, tag=_tag("GenerateRequest")):
 
     req_id: str
     prompt: str = ""
-    input_ids: list[int] = []
+    input_ids: list[TokenId] = []
     messages: list[ChatMessage] = []
-    max_new_tokens: Annotated[int, Meta(ge=1)] = 128
-    temperature: Annotated[float, Meta(ge=0.0)] = 0.0
+    max_new_tokens: Annotated[int, Meta(ge=1, le=INT64_MAX)] = 128
+    temperature: Annotated[float, Meta(ge=0.0, le=100.0)] = 0.0
     stream: bool = False
-    stop_token_ids: list[int] = []
+    stop_token_ids: list[TokenId] = []
     ignore_eos: bool = False
     top_p: Annotated[float, Meta(gt=0.0, le=1.0)] = 1.0
-    top_k: Annotated[int, Meta(ge=0)] = 0  # 0: off
+    top_k: Count = 0  # 0: off
     min_p: Annotated[float, Meta(ge=0.0, le=1.0)] = 0.0
-    repetition_penalty: Annotated[float, Meta(gt=0.0)] = 1.0
+    repetition_penalty: Annotated[float, Meta(gt=0.0, le=100.0)] = 1.0
     frequency_penalty: Annotated[float, Meta(ge=-2.0, le=2.0)] = 0.0
     presence_penalty: Annotated[float, Meta(ge=-2.0, le=2.0)] = 0.0
-    logit_bias: dict[int, Annotated[float, Meta(ge=-100.0, le=100.0)]] = {}
-    seed: Annotated[int, Meta(ge=0)] | None = None
+    logit_bias: dict[TokenId, Annotated[float, Meta(ge=-100.0, le=100.0)]] = {}
+    seed: Count | None = None
     stop: list[str] = []  # stop strings: matched across token boundaries, trimmed from the text
-    min_new_tokens: Annotated[int, Meta(ge=0)] = 0
+    min_new_tokens: Count = 0
     logprobs: bool = False  # the chosen tokens' logprobs
     top_logprobs: Annotated[int, Meta(ge=0, le=20)] = 0  # and this many alternatives each
     # Requests of one group share one prompt (n choices): its prefill runs once, the others

@@ -23,7 +23,8 @@ from protocol.transport import bind_tcp
 class TokenizerActor:
     def __init__(self, shell: Shell):
         self.shell, self.log = shell, shell.log
-        self.front = Frontend(load_tokenizer(shell.model.path), shell.model, shell.log)
+        self.front = Frontend(load_tokenizer(shell.model.path), shell.model, shell.log,
+                              shell.cfg.limits)
         self.inbox = shell.bind_inbox(m.TokenizerInbox)
         self.router = shell.zctx.socket(zmq.ROUTER)
         self.router.setsockopt(zmq.LINGER, 0)
@@ -33,6 +34,9 @@ class TokenizerActor:
         # ZMTP heartbeats; a killed process by the kernel closing its connection.
         self.router.setsockopt(zmq.HEARTBEAT_IVL, 2000)
         self.router.setsockopt(zmq.HEARTBEAT_TIMEOUT, 10000)
+        # A frame over limits.max_frame_bytes gets an error reply naming the limit; one over
+        # twice that is never buffered whole: ZMQ drops the connection that sends it.
+        self.router.setsockopt(zmq.MAXMSGSIZE, 2 * shell.cfg.limits.max_frame_bytes)
         self.client_address = bind_tcp(self.router, shell.addrs.client)
         # ROUTER_NOTIFY is draft-only in the wheels, so a lost client is found from the
         # monitor's DISCONNECTED event, whose value is the connection's fd, and the fd each

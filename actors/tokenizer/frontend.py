@@ -2,7 +2,10 @@
 TextBatches into replies for the client that asked. No sockets; time is passed in.
 
 Every request that gets an rid gets exactly one terminal reply (Finished or ErrorReply); every
-request refused before that gets one ErrorReply at once.
+request refused before that gets one ErrorReply at once. A request gets its rid only once it is
+decoded, checked, tokenized and encoded for the scheduler: nothing that can still fail comes
+after it. No client input may raise out of `on_client` or `submit`: a bug it finds fails that
+request alone (500, counted in /metrics as an internal error) and the actor keeps serving.
 """
 
 from __future__ import annotations
@@ -16,13 +19,12 @@ import msgspec
 import structlog
 
 from actors.shell import ModelInfo
+from actors.tokenizer.intake import RequestError, check_request, decode_frame
 from protocol import messages as m
-from protocol.codec import pack_ids, split_counts, unpack_ids
+from protocol.codec import encode, pack_ids, split_counts, unpack_ids
+from protocol.config import LimitsConfig
 
 Reply = tuple[bytes, m.ClientWire]  # (client identity, message)
-MAX_STOP_STRINGS = 16
-
-_decoder = msgspec.msgpack.Decoder(m.ClientInbound)
 
 
 @dataclass
@@ -42,8 +44,10 @@ class Open:
 
 
 class Frontend:
-    def __init__(self, tokenizer: Any, model: ModelInfo, log: Any = None):
-        self.tokenizer, self.model = tokenizer, model
+    def __init__(self, tokenizer: Any, model: ModelInfo, log: Any = None,
+                 limits: LimitsConfig = LimitsConfig()):
+        self.tokenizer, self.model, self.limits = tokenizer, model, limits
+        self.internal_errors = 0  # requests failed by a bug of ours (/metrics)
         self.log = log or structlog.get_logger()
         self.last_progress = 0.0  # when the last TextBatch arrived (health)
         self.open: dict[str, Open] = {}  # rid -> request
@@ -55,25 +59,33 @@ class Frontend:
 
     # -- from clients ------------------------------------------------------------------------
 
-    def on_client(self, frames: list[bytes], now: float) -> tuple[list[Reply], list[Any]]:
-        """One ROUTER message -> (replies to clients, messages for the scheduler)."""
+    def on_client(self, frames: list[bytes], now: float) -> tuple[list[Reply], list[bytes]]:
+        """One ROUTER message -> (replies to clients, encoded messages for the scheduler)."""
+        try:
+            return self._on_client(frames, now)
+        except Exception as e:  # a bug of ours: this frame fails, the actor keeps serving
+            return self._internal_error(frames[0], "", "", e)
+
+    def _on_client(self, frames: list[bytes], now: float) -> tuple[list[Reply], list[bytes]]:
         identity, payload = frames[0], frames[1:]
         if len(payload) != 1:
             return self._reject(identity, "", "malformed message: expected 1 payload frame, "
                                 f"got {len(payload)}")
         try:
-            msg = _decoder.decode(payload[0])
-        except (msgspec.DecodeError, msgspec.ValidationError) as e:
-            return self._reject(identity, _guess_req_id(payload[0]), f"invalid request: {e}")
+            msg = decode_frame(payload[0], self.limits)
+        except RequestError as e:
+            return self._reject(identity, _guess_req_id(payload[0]), e.message, e.code)
         match msg:
             case m.AbortRequest():
                 return [], self.abort(identity, msg.req_id, "request.client_abort")
             case m.GenerateRequest():
-                return self.submit(identity, msg, now)
+                return self.submit(identity, msg, now, checked=True)
 
-    def _reject(self, identity: bytes, req_id: str, message: str,
-                code: int = 400) -> tuple[list[Reply], list[Any]]:
-        self.log.info("request.rejected", req_id=req_id, error=message)
+    def _reject(self, identity: bytes, req_id: str, message: str, code: int = 400,
+                peer: str = "") -> tuple[list[Reply], list[bytes]]:
+        # The peer, never the prompt: logs must not carry what clients sent.
+        self.log.warning("request.rejected", req_id=req_id[:64], error=message[:300], code=code,
+                         peer=peer or identity.hex())
         return [(identity, m.ErrorReply(req_id=req_id, message=message, code=code))], []
 
     def client_gone(self, identity: bytes) -> list[m.Abort]:
@@ -82,71 +94,83 @@ class Frontend:
         return [a for who, req_id in list(self.by_client) if who == identity
                 for a in self.abort(who, req_id, "request.client_gone")]
 
-    def abort(self, identity: bytes, req_id: str, event: str) -> list[m.Abort]:
+    def abort(self, identity: bytes, req_id: str, event: str) -> list[bytes]:
         """The client's open request req_id, if any, as an Abort for the scheduler (logged as
         `event`); the request stays open until the scheduler's terminal reply."""
         rid = self.by_client.get((identity, req_id))
         if not rid:
             return []
         self.log.info(event, rid=rid, req_id=req_id)
-        return [m.Abort(rid=rid)]
+        return [encode(m.Abort(rid=rid))]
 
-    def submit(self, identity: bytes, req: m.GenerateRequest,
-               now: float) -> tuple[list[Reply], list[Any]]:
-        """A decoded request from any front end (ZMQ, HTTP)."""
-        def refuse(message: str, code: int = 400):
-            return self._reject(identity, req.req_id, message, code)
-
-        if not self.accepting:
-            return refuse(self.refusal, 503)
-        if not req.req_id:
-            return refuse("req_id must be a non-empty string")
-        if (identity, req.req_id) in self.by_client:
-            return refuse(f"req_id {req.req_id!r} is already open on this connection")
+    def submit(self, identity: bytes, req: m.GenerateRequest, now: float, peer: str = "",
+               checked: bool = False) -> tuple[list[Reply], list[bytes]]:
+        """A decoded request from any front end (ZMQ, HTTP) -> a refusal, or the encoded
+        TokenizedRequest of a request now open. `checked`: the limits were checked already."""
         try:
-            ids = self._tokenize(req)
-        except ValueError as e:
-            return refuse(str(e))
-        problem = self._check_params(req)
-        if problem:
-            return refuse(problem)
+            if not checked:
+                check_request(req, self.limits)
+            return self._open(identity, req, now)
+        except RequestError as e:
+            return self._reject(identity, req.req_id, e.message, e.code, peer)
+        except Exception as e:  # a bug of ours: this request fails, the actor keeps serving
+            return self._internal_error(identity, req.req_id, peer, e)
+
+    def _internal_error(self, identity: bytes, req_id: str, peer: str,
+                        e: Exception) -> tuple[list[Reply], list[bytes]]:
+        self.internal_errors += 1
+        self.log.warning("request.internal_error", req_id=req_id[:64],
+                         peer=peer or identity.hex(), error=repr(e)[:300], exc_info=True)
+        return [(identity, m.ErrorReply(req_id=req_id, message="internal error: "
+                                        f"{type(e).__name__}", code=500))], []
+
+    def _open(self, identity: bytes, req: m.GenerateRequest,
+              now: float) -> tuple[list[Reply], list[bytes]]:
+        if not self.accepting:
+            raise RequestError(self.refusal, 503)
+        if not req.req_id:
+            raise RequestError("req_id must be a non-empty string", param="req_id")
+        if (identity, req.req_id) in self.by_client:
+            raise RequestError(f"req_id {req.req_id[:64]!r} is already open on this connection",
+                               param="req_id")
+        ids = self._tokenize(req)
+        self._check_params(req)
         if len(ids) >= self.model.context_length:
-            return refuse(f"prompt has {len(ids)} tokens; the model's context is "
-                          f"{self.model.context_length} tokens, output included")
+            raise RequestError(f"prompt has {len(ids)} tokens; the model's context is "
+                               f"{self.model.context_length} tokens, output included")
         rid = f"{self._prefix}-{next(self._ids)}"
+        group = f"{identity.hex()}/{req.group}" if req.group else ""
+        # Encoded before the request is registered: nothing after this line can fail.
+        data = encode(m.TokenizedRequest(rid=rid, input_ids=pack_ids(ids),
+                                         params=sampling_params(req), group=group))
         self.open[rid] = Open(rid, identity, req.req_id, req.stream, len(ids), now)
+        self.by_client[(identity, req.req_id)] = rid
         self.log.info("request.received", rid=rid, req_id=req.req_id, prompt_tokens=len(ids),
                       max_new_tokens=req.max_new_tokens, stream=req.stream)
-        self.by_client[(identity, req.req_id)] = rid
-        params = sampling_params(req)
-        group = f"{identity.hex()}/{req.group}" if req.group else ""
-        return [], [m.TokenizedRequest(rid=rid, input_ids=pack_ids(ids), params=params,
-                                       group=group)]
+        return [], [data]
 
-    def _check_params(self, req: m.GenerateRequest) -> str:
+    def _check_params(self, req: m.GenerateRequest) -> None:
         """What the schema cannot say: ids against this model's vocabulary, and relations
-        between fields. Returns the problem, naming the field, or ""."""
+        between fields. Raises RequestError naming the field."""
         vocab = self.model.vocab_size
         for name, ids in (("input_ids", req.input_ids), ("stop_token_ids", req.stop_token_ids),
                           ("logit_bias", list(req.logit_bias))):
             bad = [t for t in ids if not 0 <= t < vocab]
             if bad:
-                return f"{name}: token id {bad[0]} is outside the vocabulary [0, {vocab})"
+                raise RequestError(f"{name}: token id {bad[0]} is outside the vocabulary "
+                                   f"[0, {vocab})", param=name)
         if req.min_new_tokens > req.max_new_tokens:
-            return (f"min_new_tokens ({req.min_new_tokens}) is more than max_new_tokens "
-                    f"({req.max_new_tokens})")
-        if len(req.stop) > MAX_STOP_STRINGS:
-            return f"stop: at most {MAX_STOP_STRINGS} stop strings, got {len(req.stop)}"
+            raise RequestError(f"min_new_tokens ({req.min_new_tokens}) is more than "
+                               f"max_new_tokens ({req.max_new_tokens})", param="min_new_tokens")
         if any(not s for s in req.stop):
-            return "stop: a stop string must not be empty"
-        return ""
+            raise RequestError("stop: a stop string must not be empty", param="stop")
 
     def _tokenize(self, req: m.GenerateRequest) -> list[int]:
         given = sum(map(bool, (req.prompt, req.input_ids, req.messages)))
         if given == 0:
-            raise ValueError("empty prompt: give one of prompt, input_ids or messages")
+            raise RequestError("empty prompt: give one of prompt, input_ids or messages")
         if given > 1:
-            raise ValueError("give only one of prompt, input_ids or messages")
+            raise RequestError("give only one of prompt, input_ids or messages")
         if req.input_ids:
             return list(req.input_ids)
         if req.messages:
@@ -154,11 +178,16 @@ class Frontend:
             try:
                 ids = self.tokenizer.apply_chat_template(msgs, **req.chat_template_kwargs)
             except Exception as e:  # a template error is the request's problem, not ours
-                raise ValueError(f"messages: the chat template failed: {e}") from None
+                raise RequestError(f"messages: the chat template failed: {str(e)[:200]}",
+                                   param="messages") from None
         else:
-            ids = self.tokenizer.encode(req.prompt)
+            try:
+                ids = self.tokenizer.encode(req.prompt)
+            except Exception as e:  # e.g. a lone surrogate from a JSON escape
+                raise RequestError(f"prompt: cannot be tokenized: {str(e)[:200]}",
+                                   param="prompt") from None
         if not ids:
-            raise ValueError("empty prompt: it tokenizes to no tokens")
+            raise RequestError("empty prompt: it tokenizes to no tokens")
         return ids
 
     # -- from the detokenizer ----------------------------------------------------------------
@@ -243,4 +272,4 @@ def _guess_req_id(payload: bytes) -> str:
     except Exception:
         return ""
     rid = raw.get("req_id") if isinstance(raw, dict) else None
-    return rid if isinstance(rid, str) else ""
+    return rid if isinstance(rid, str) and len(rid) <= 256 else ""

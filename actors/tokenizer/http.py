@@ -5,7 +5,6 @@ replies come back on a queue per HTTP request instead of the ROUTER socket."""
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 import uuid
 from typing import Any, AsyncIterator, Callable, Protocol
@@ -17,10 +16,12 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from actors.tokenizer.openai_format import (ApiError, Choice, chat_chunk, chat_response,
-                                            completion_chunk, completion_response, error_body,
-                                            parse_chat, parse_completion, usage)
+from actors.tokenizer.intake import RequestError
+from actors.tokenizer.openai_format import (Choice, chat_chunk, chat_response, completion_chunk,
+                                            completion_response, error_body, parse_chat,
+                                            parse_completion, usage)
 from protocol import messages as m
+from protocol.config import LimitsConfig
 
 
 class Bridge(Protocol):
@@ -28,12 +29,14 @@ class Bridge(Protocol):
 
     model_name: str
     api_key: str
+    limits: LimitsConfig
 
-    def submit(self, req: m.GenerateRequest, replies: asyncio.Queue) -> None: ...
+    def submit(self, req: m.GenerateRequest, replies: asyncio.Queue, peer: str) -> None: ...
     def abort(self, req_id: str) -> None: ...
     async def healthy(self) -> bool: ...
     def metrics(self) -> str: ...
     def token_text(self, token_id: int) -> str: ...
+    def internal_error(self) -> None: ...
 
 
 def build_app(bridge: Bridge) -> Starlette:
@@ -43,20 +46,27 @@ def build_app(bridge: Bridge) -> Starlette:
                 return _error(401, "invalid or missing API key (Authorization: Bearer ...)")
             try:
                 return await handler(request)
-            except ApiError as e:
-                return _error(e.status, e.message, e.param)
-            except Exception as e:  # a bug: say so, log it, keep serving
-                structlog.get_logger().exception("http.error", path=request.url.path)
-                return _error(500, f"internal error: {e!r}")
+            except RequestError as e:
+                if not e.logged:
+                    structlog.get_logger().warning("http.rejected", path=request.url.path,
+                                                   peer=_peer(request), code=e.code,
+                                                   error=e.message[:300])
+                return _error(e.code, e.message, e.param)
+            except Exception as e:  # a bug: the request fails alone, counted, logged
+                bridge.internal_error()
+                structlog.get_logger().warning("http.internal_error", path=request.url.path,
+                                               peer=_peer(request), error=repr(e)[:300],
+                                               exc_info=True)
+                return _error(500, f"internal error: {type(e).__name__}")
         return route
 
     async def completions(request: Request) -> Response:
-        reqs, opts = parse_completion(await _json(request), bridge.model_name)
+        reqs, opts = parse_completion(await _body(request, bridge.limits), bridge.limits)
         opts["token_text"] = bridge.token_text
         return await _serve(bridge, request, reqs, opts, chat=False)
 
     async def chat(request: Request) -> Response:
-        reqs, opts = parse_chat(await _json(request), bridge.model_name)
+        reqs, opts = parse_chat(await _body(request, bridge.limits), bridge.limits)
         opts["token_text"] = bridge.token_text
         return await _serve(bridge, request, reqs, opts, chat=True)
 
@@ -81,14 +91,24 @@ def build_app(bridge: Bridge) -> Starlette:
     ])
 
 
-async def _json(request: Request) -> dict[str, Any]:
-    try:
-        body = json.loads(await request.body())
-    except ValueError as e:
-        raise ApiError(400, f"the body is not valid JSON: {e}") from None
-    if not isinstance(body, dict):
-        raise ApiError(400, "the body must be a JSON object")
-    return body
+async def _body(request: Request, limits: LimitsConfig) -> bytes:
+    """The raw body, read no further than limits.max_body_bytes."""
+    too_big = RequestError(f"the body is over limits.max_body_bytes ({limits.max_body_bytes})",
+                           413)
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limits.max_body_bytes:
+        raise too_big
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limits.max_body_bytes:
+            raise too_big
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _peer(request: Request) -> str:
+    return f"{request.client.host}:{request.client.port}" if request.client else ""
 
 
 def _error(status: int, message: str, param: str | None = None) -> JSONResponse:
@@ -101,7 +121,7 @@ async def _serve(bridge: Bridge, request: Request, reqs: list[m.GenerateRequest]
     queue: asyncio.Queue = asyncio.Queue()
     index = {r.req_id: k for k, r in enumerate(reqs)}
     for r in reqs:
-        bridge.submit(r, queue)
+        bridge.submit(r, queue, _peer(request))
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
     created = int(time.time())
     # Until the reply starts, a client that leaves (during a long prefill, say) is found by
@@ -116,7 +136,7 @@ async def _serve(bridge: Bridge, request: Request, reqs: list[m.GenerateRequest]
         if isinstance(first, m.ErrorReply):
             for r in reqs:
                 bridge.abort(r.req_id)
-            raise ApiError(first.code, first.message)
+            raise RequestError(first.message, first.code, logged=True)
         body = _stream(bridge, reqs, index, queue, first, opts, chat, rid, created)
         return StreamingResponse(body, media_type="text/event-stream")
     results: dict[int, m.Finished] = {}
@@ -126,7 +146,7 @@ async def _serve(bridge: Bridge, request: Request, reqs: list[m.GenerateRequest]
             if isinstance(reply, m.ErrorReply):
                 for r in reqs:
                     bridge.abort(r.req_id)
-                raise ApiError(reply.code, reply.message)
+                raise RequestError(reply.message, reply.code, logged=True)
             if isinstance(reply, m.Finished):
                 results[index[reply.req_id]] = reply
     finally:

@@ -36,6 +36,7 @@ class HttpFront:
         cfg = actor.shell.cfg.server
         self.model_name = actor.shell.model.name
         self.api_key = cfg.api_key
+        self.limits = actor.shell.cfg.limits
         self.health_timeout_s = cfg.health_timeout_s
         self.probe: asyncio.Future | None = None  # shared by /health calls while it runs
         self.probes = 0
@@ -57,9 +58,9 @@ class HttpFront:
 
     # -- the bridge the app calls ------------------------------------------------------------
 
-    def submit(self, req: m.GenerateRequest, replies: asyncio.Queue) -> None:
+    def submit(self, req: m.GenerateRequest, replies: asyncio.Queue, peer: str = "") -> None:
         self.queues[req.req_id] = replies
-        out, forward = self.front.submit(HTTP_CLIENT, req, time.monotonic())
+        out, forward = self.front.submit(HTTP_CLIENT, req, time.monotonic(), peer=peer)
         for msg in forward:
             self.actor.shell.send_now("scheduler", msg)
         self.actor._send_now(out)  # a refusal: counted and delivered like any reply
@@ -92,7 +93,7 @@ class HttpFront:
         req_id = f"{PROBE_PREFIX}{self.probes}"
         replies: asyncio.Queue = asyncio.Queue()
         self.submit(m.GenerateRequest(req_id=req_id, input_ids=[0], max_new_tokens=1,
-                                      ignore_eos=True), replies)
+                                      ignore_eos=True), replies, "health")
         try:
             async with asyncio.timeout(self.health_timeout_s):
                 while not isinstance(reply := await replies.get(), (m.Finished, m.ErrorReply)):
@@ -107,8 +108,12 @@ class HttpFront:
             self.actor.log.error("health.probe_failed", req_id=req_id, error=reply.message)
         return isinstance(reply, m.Finished)
 
+    def internal_error(self) -> None:
+        self.front.internal_errors += 1
+
     def metrics(self) -> str:
-        return self.actor.metrics.render(self.model_name, len(self.front.open))
+        return self.actor.metrics.render(self.model_name, len(self.front.open),
+                                         self.front.internal_errors)
 
     @functools.lru_cache(maxsize=1 << 16)
     def token_text(self, token_id: int) -> str:

@@ -56,7 +56,7 @@ class Metrics:
         elif isinstance(reply, m.ErrorReply):
             self.finished["error"] = self.finished.get("error", 0) + 1
 
-    def render(self, model: str, open_requests: int) -> str:
+    def render(self, model: str, open_requests: int, internal_errors: int = 0) -> str:
         """The scheduler's last counts; zero once nothing is open (its last word may be old)."""
         labels = f'model_name="{model}"'
         hit = self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
@@ -71,6 +71,9 @@ class Metrics:
             f"mas:generation_tokens_total{{{labels}}} {self.generation_tokens}",
             "# TYPE mas:prefix_cache_hit_rate gauge",
             f"mas:prefix_cache_hit_rate{{{labels}}} {hit}",
+            # Requests failed by a bug of ours that the intake boundary caught (a 500 each).
+            "# TYPE mas:internal_errors_total counter",
+            f"mas:internal_errors_total{{{labels}}} {internal_errors}",
             "# TYPE mas:request_success_total counter",
             *[f'mas:request_success_total{{{labels},finished_reason="{r}"}} {n}'
               for r, n in sorted(self.finished.items())],

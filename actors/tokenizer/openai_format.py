@@ -1,5 +1,10 @@
 """OpenAI request bodies -> GenerateRequests, and replies -> OpenAI response and chunk objects.
-Pure functions: no sockets, no event loop."""
+Pure functions: no sockets, no event loop.
+
+A body is decoded by the intake boundary (actors/tokenizer/intake.py); its fields then become a
+GenerateRequest through the same schema ZMQ clients meet, so both APIs accept the same values
+and refuse the rest with the same limits (errors name the OpenAI field).
+"""
 
 from __future__ import annotations
 
@@ -10,18 +15,12 @@ from typing import Annotated, Any, Callable
 import msgspec
 from msgspec import Meta
 
+from actors.tokenizer.intake import RequestError, decode_body
 from protocol import messages as m
-
-class ApiError(Exception):
-    """An HTTP error reply in the OpenAI error shape."""
-
-    def __init__(self, status: int, message: str, param: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.param = status, message, param
-
+from protocol.config import LimitsConfig
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-          500: "server_error", 503: "server_overloaded"}
+          413: "invalid_request_error", 500: "server_error", 503: "server_overloaded"}
 
 
 def error_body(status: int, message: str, param: str | None) -> dict[str, Any]:
@@ -31,66 +30,83 @@ def error_body(status: int, message: str, param: str | None) -> dict[str, Any]:
 
 class _Common(msgspec.Struct, kw_only=True):
     """Fields both endpoints take (OpenAI's, then the usual vLLM/sglang extras). Unknown fields
-    are ignored, as OpenAI clients send some we have no use for (user, service_tier...)."""
+    are ignored, as OpenAI clients send some we have no use for (user, service_tier...). Only
+    types here: the ranges are GenerateRequest's, checked when the request is built."""
 
     model: str = ""
-    temperature: Annotated[float, Meta(ge=0.0, le=2.0)] = 1.0
-    top_p: Annotated[float, Meta(gt=0.0, le=1.0)] = 1.0
+    temperature: float = 1.0
+    top_p: float = 1.0
     n: Annotated[int, Meta(ge=1, le=16)] = 1
     stream: bool = False
     stream_options: dict[str, Any] | None = None
     stop: str | list[str] | None = None
     seed: int | None = None
-    frequency_penalty: Annotated[float, Meta(ge=-2.0, le=2.0)] = 0.0
-    presence_penalty: Annotated[float, Meta(ge=-2.0, le=2.0)] = 0.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
-    top_k: Annotated[int, Meta(ge=-1)] = 0
-    min_p: Annotated[float, Meta(ge=0.0, le=1.0)] = 0.0
-    repetition_penalty: Annotated[float, Meta(gt=0.0)] = 1.0
-    min_tokens: Annotated[int, Meta(ge=0)] = 0
+    top_k: Annotated[int, Meta(ge=-1)] = 0  # -1 (vLLM's "off") is our 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
 
 
 class CompletionBody(_Common, kw_only=True):
     prompt: str | list[Any]  # text, [text], or token ids (msgspec takes one list type)
-    max_tokens: Annotated[int, Meta(ge=1)] | None = 16
-    logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
+    max_tokens: int | None = 16
+    logprobs: int | None = None
     echo: bool = False
+
+
+class ContentPart(msgspec.Struct):
+    type: str
+    text: str | None = None
 
 
 class ChatMessageBody(msgspec.Struct):
     role: str
-    content: str | list[dict[str, Any]] | None = None
+    content: str | list[ContentPart] | None = None
 
 
 class ChatBody(_Common, kw_only=True):
     messages: list[ChatMessageBody]
-    max_tokens: Annotated[int, Meta(ge=1)] | None = None
-    max_completion_tokens: Annotated[int, Meta(ge=1)] | None = None
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
     logprobs: bool = False
-    top_logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
+    top_logprobs: int | None = None
     chat_template_kwargs: dict[str, Any] | None = None
 
 
-def _convert(body: dict[str, Any], cls: type) -> Any:
+# GenerateRequest's field -> the OpenAI field a client set it with, for error messages.
+_COMPLETION_NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens",
+                     "top_logprobs": "logprobs", "input_ids": "prompt"}
+_CHAT_NAMES = {"min_new_tokens": "min_tokens"}
+
+
+def _build(fields: dict[str, Any], names: dict[str, str]) -> m.GenerateRequest:
+    """The wire schema's own validation, with the error naming the client's field."""
     try:
-        return msgspec.convert(body, cls)
+        return msgspec.convert(fields, m.GenerateRequest)
     except msgspec.ValidationError as e:
-        path = str(e).rsplit("$.", 1)
-        raise ApiError(400, f"invalid request: {e}",
-                       path[1].split("[")[0].rstrip("`") if len(path) > 1 else None) from None
+        message = str(e)
+        path = message.rsplit("$.", 1)
+        field = path[1].split("[")[0].rstrip("`") if len(path) > 1 else None
+        param = names.get(field, field) if field else None
+        if field and param != field:
+            message = message.replace(f"$.{field}", f"$.{param}")
+        raise RequestError(f"invalid request: {message}", param=param) from None
 
 
-def _requests(c: _Common, max_new: int, prompt: dict[str, Any], logprobs: bool,
-              top: int) -> tuple[list[m.GenerateRequest], dict[str, Any]]:
+def _requests(c: _Common, max_new: int | None, prompt: dict[str, Any], logprobs: bool,
+              top: int, names: dict[str, str]) -> tuple[list[m.GenerateRequest], dict[str, Any]]:
     stops = [c.stop] if isinstance(c.stop, str) else list(c.stop or [])
     try:
         bias = {int(k): v for k, v in (c.logit_bias or {}).items()}
     except ValueError:
-        raise ApiError(400, "logit_bias keys must be token ids", "logit_bias") from None
+        raise RequestError("logit_bias keys must be token ids", param="logit_bias") from None
     base = "http-" + uuid.uuid4().hex[:16]
-    reqs = [m.GenerateRequest(
+    reqs = [_build(dict(
         req_id=f"{base}-{k}", **prompt, max_new_tokens=max_new, temperature=c.temperature,
         top_p=c.top_p, top_k=max(c.top_k, 0), min_p=c.min_p,
         repetition_penalty=c.repetition_penalty, frequency_penalty=c.frequency_penalty,
@@ -99,46 +115,60 @@ def _requests(c: _Common, max_new: int, prompt: dict[str, Any], logprobs: bool,
         seed=None if c.seed is None else c.seed + k, stop=stops,
         stop_token_ids=list(c.stop_token_ids or []), ignore_eos=c.ignore_eos,
         min_new_tokens=c.min_tokens, logprobs=logprobs, top_logprobs=top, stream=c.stream,
-        group=base if c.n > 1 else "")
+        group=base if c.n > 1 else ""), names)
         for k in range(c.n)]
     include_usage = bool((c.stream_options or {}).get("include_usage"))
     return reqs, {"stream": c.stream, "include_usage": include_usage, "logprobs": logprobs}
 
 
-def parse_completion(body: dict[str, Any], model: str) -> tuple[list[m.GenerateRequest], dict]:
-    c = _convert(body, CompletionBody)
+def parse_completion(raw: bytes, limits: LimitsConfig) -> tuple[list[m.GenerateRequest], dict]:
+    c = decode_body(raw, CompletionBody, limits)
     if c.echo:
-        raise ApiError(400, "echo is not supported", "echo")
+        raise RequestError("echo is not supported", param="echo")
     prompt_value = c.prompt
     if isinstance(prompt_value, list) and all(isinstance(p, str) for p in prompt_value) \
             and prompt_value:
         if len(prompt_value) != 1:
-            raise ApiError(400, "a list of several prompts is not supported; send one", "prompt")
+            raise RequestError("a list of several prompts is not supported; send one",
+                               param="prompt")
         prompt_value = prompt_value[0]
     if isinstance(prompt_value, list) and not all(
             isinstance(t, int) and not isinstance(t, bool) for t in prompt_value):
-        raise ApiError(400, "prompt must be a string, a list of one string, or token ids",
-                       "prompt")
+        raise RequestError("prompt must be a string, a list of one string, or token ids",
+                           param="prompt")
     prompt = ({"prompt": prompt_value} if isinstance(prompt_value, str)
               else {"input_ids": prompt_value})
     top = c.logprobs or 0
-    return _requests(c, c.max_tokens or 16, prompt, c.logprobs is not None, top)
+    return _requests(c, 16 if c.max_tokens is None else c.max_tokens, prompt,
+                     c.logprobs is not None, top, _COMPLETION_NAMES)
 
 
-def parse_chat(body: dict[str, Any], model: str) -> tuple[list[m.GenerateRequest], dict]:
-    c = _convert(body, ChatBody)
-    messages = []
-    for msg in c.messages:
-        content = msg.content
-        if isinstance(content, list):  # content parts: keep the text ones
-            content = "".join(p.get("text", "") for p in content if p.get("type") == "text")
-        messages.append(m.ChatMessage(role=msg.role, content=content or ""))
+def _content(msg: ChatMessageBody) -> str:
+    """A message's text: a string, or its text content parts joined (this server is text only,
+    so any other part is refused rather than silently dropped)."""
+    if not isinstance(msg.content, list):
+        return msg.content or ""
+    for part in msg.content:
+        if part.type != "text":
+            raise RequestError(f"messages: content part type {part.type[:40]!r} is not "
+                               "supported (text only)", param="messages")
+        if part.text is None:
+            raise RequestError("messages: a text content part needs a string `text`",
+                               param="messages")
+    return "".join(part.text for part in msg.content)
+
+
+def parse_chat(raw: bytes, limits: LimitsConfig) -> tuple[list[m.GenerateRequest], dict]:
+    c = decode_body(raw, ChatBody, limits)
+    messages = [m.ChatMessage(role=msg.role, content=_content(msg)) for msg in c.messages]
     if not messages:
-        raise ApiError(400, "messages must not be empty", "messages")
-    max_new = c.max_completion_tokens or c.max_tokens or 4096
+        raise RequestError("messages must not be empty", param="messages")
+    names = dict(_CHAT_NAMES, max_new_tokens="max_completion_tokens"
+                 if c.max_completion_tokens is not None else "max_tokens")
+    max_new = next((v for v in (c.max_completion_tokens, c.max_tokens) if v is not None), 4096)
     return _requests(c, max_new, {"messages": messages,
                                   "chat_template_kwargs": c.chat_template_kwargs or {}},
-                     c.logprobs, c.top_logprobs or 0)
+                     c.logprobs, c.top_logprobs or 0, names)
 
 
 @dataclass

@@ -90,7 +90,7 @@ def test_models_health_metrics(graph, api):
 
 def test_bad_requests_get_400_in_the_openai_shape(api):
     with pytest.raises(openai.BadRequestError) as e:
-        api.completions.create(model="qwen3-tiny", prompt="hi", max_tokens=4, temperature=5)
+        api.completions.create(model="qwen3-tiny", prompt="hi", max_tokens=4, temperature=101)
     assert "temperature" in str(e.value)
     with pytest.raises(openai.BadRequestError) as e:
         api.completions.create(model="qwen3-tiny", prompt="", max_tokens=4)
