@@ -24,7 +24,7 @@ class Section(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=T
 
 class ModelConfig(Section):
     # A built-in model the project builds on first use, used when `path` is empty.
-    builtin: Literal["qwen3-tiny", "qwen3-small", "qwen3_5-tiny"] = "qwen3-small"
+    builtin: Literal["qwen3-tiny", "qwen3-small", "qwen3_5-tiny", "gemma3-tiny"] = "qwen3-small"
     # Any local mlx-lm model directory (config.json, *.safetensors, tokenizer files).
     path: str = ""
     # Where built-in models are cached; empty: $MAS_CACHE_DIR or ~/.cache/mlx-actor-serve/models.

@@ -31,6 +31,7 @@ TAGS = {
     "Shutdown": 16,
     "Ready": 17,
     "ActorFailed": 18,
+    "ModelLayers": 19,
 }
 
 
@@ -304,9 +305,24 @@ class ActorFailed(Wire, tag=_tag("ActorFailed")):
     message: str
 
 
+# Layer kinds, by the mlx-lm cache object each layer gets (DESIGN section 5): what a request
+# keeps per layer, so what a cached prefix would have to hold for it.
+LAYER_FULL = "full"  # KVCache: K and V of every position
+LAYER_SLIDING = "sliding"  # RotatingKVCache: K and V of the last `window` positions only
+LAYER_RECURRENT = "recurrent"  # ArraysCache (gated delta nets, Mamba): one state
+LAYER_OTHER = "other"  # anything else, sent as "other:<cache type>"
+
+
+class ModelLayers(Wire, tag=_tag("ModelLayers")):
+    """Runner -> scheduler, once after loading: every layer's kind, in layer order. The
+    scheduler decides from them what its prefix cache can hold, before it says Ready."""
+
+    kinds: list[str]
+
+
 # One union per inbox.
 TokenizerInbox = Union[TextBatch, Shutdown]
-SchedulerInbox = Union[TokenizedRequest, Abort, StepResult, Shutdown]
+SchedulerInbox = Union[TokenizedRequest, Abort, StepResult, Shutdown, ModelLayers]
 RunnerInbox = Union[ForwardBatch, Shutdown]
 DetokenizerInbox = Union[TokenBatch, Shutdown]
 LauncherInbox = Union[Ready, ActorFailed]

@@ -173,6 +173,13 @@ class Utilisation:
         self._reset(now)
 
 
+async def tell_layers(shell: Shell, kinds: list[str]) -> None:
+    """Only the runner loads the model, so only it can say what each layer keeps; the
+    scheduler waits for this before it decides its prefix cache and says Ready."""
+    shell.log.info("runner.layers", kinds=kinds)
+    await shell.send("scheduler", m.ModelLayers(kinds=kinds))
+
+
 async def serve(shell: Shell) -> None:
     inbox = shell.bind_inbox(m.RunnerInbox)
     mlx = MlxThread(shell, asyncio.get_running_loop())
@@ -181,6 +188,7 @@ async def serve(shell: Shell) -> None:
     shell.log.info("runner.blas", library=blas.in_use(),
                    skinny_matmul=shell.cfg.runtime.skinny_matmul,
                    fast_math=shell.cfg.runtime.fast_math)
+    await tell_layers(shell, mlx.runner.kinds)
     await shell.ready(model=shell.model.name)
     try:
         while True:

@@ -1,4 +1,5 @@
-"""Built-in models: real Qwen architectures with the real Qwen tokenizer and seeded random weights.
+"""Built-in models: real Qwen (and Gemma 3) architectures with the real Qwen tokenizer and seeded
+random weights.
 
 Nothing can be downloaded, so the engine serves models it builds itself. A built-in is a local
 mlx-lm directory (config.json, model.safetensors in float32, tokenizer files) made once per spec.
@@ -7,7 +8,9 @@ Plain random init makes greedy decoding repeat one token: with tied embeddings t
 mostly the input token's own embedding, so the input token wins the argmax. The init below makes every
 block write much more than the embedding into the residual stream, so the next token is a pseudo-random
 function of the context, and scales the final norm so the logits spread by several units (top-2 gaps far
-above float noise). tests/unit/test_builtin_model.py measures both properties.
+above float noise). tests/unit/test_builtin_model.py measures both properties. Gemma's norms scale
+by 1 + weight and also normalize what each block writes; the same scales, stored minus one, keep
+its continuations as varied.
 """
 
 import copy
@@ -74,6 +77,18 @@ BUILTINS: dict[str, ModelSpec] = {
             max_position_embeddings=4096, rope_parameters=_QWEN3_5_ROPE, tie_word_embeddings=True,
         ),
     ),
+    # Gemma 3: sliding-window layers (a RotatingKVCache of the last 32 positions) between
+    # full-attention layers, so prompts a few windows long exercise both kinds.
+    "gemma3-tiny": ModelSpec(
+        vocab="qwen3",
+        config=dict(
+            model_type="gemma3_text", hidden_size=64, intermediate_size=192, num_hidden_layers=4,
+            sliding_window=32, sliding_window_pattern=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=32, query_pre_attn_scalar=32, vocab_size=151936,
+            max_position_embeddings=4096, rope_theta=1_000_000.0, rope_local_base_freq=10_000.0,
+            tie_word_embeddings=True,
+        ),
+    ),
 }  # fmt: skip
 
 
@@ -111,14 +126,22 @@ def ensure_builtin(name: str, cache_dir: Path | None = None, progress: bool = Tr
     return final
 
 
+_ARCHITECTURES = {
+    "qwen3": "Qwen3ForCausalLM",
+    "qwen3_5": "Qwen3_5ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
+}
+_ACTIVATIONS = {"gemma3_text": {"hidden_activation": "gelu_pytorch_tanh"}}  # as Gemma 3 configs say
+
+
 def model_config(name: str, spec: ModelSpec) -> dict:
     """config.json: the spec's architecture plus the fields loaders expect from a real checkpoint."""
     specials = VOCABS[spec.vocab].special_ids()
     arch = copy.deepcopy(spec.config)
     config = {
-        "architectures": ["Qwen3ForCausalLM" if arch["model_type"] == "qwen3" else "Qwen3_5ForCausalLM"],
+        "architectures": [_ARCHITECTURES[arch["model_type"]]],
         **arch,
-        "hidden_act": "silu",
+        **_ACTIVATIONS.get(arch["model_type"], {"hidden_act": "silu"}),
         "rms_norm_eps": 1e-6,
         "attention_bias": False,
         "bos_token_id": specials["<|endoftext|>"],
@@ -135,6 +158,13 @@ def model_config(name: str, spec: ModelSpec) -> dict:
             "full_attention" if (i + 1) % interval == 0 else "linear_attention"
             for i in range(arch["num_hidden_layers"])
         ]
+    if arch["model_type"] == "gemma3_text":
+        # Informational too: mlx-lm derives the pattern from sliding_window_pattern.
+        pattern = arch["sliding_window_pattern"]
+        config["layer_types"] = [
+            "full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
+            for i in range(arch["num_hidden_layers"])
+        ]
     return config
 
 
@@ -143,7 +173,11 @@ def weight_shapes(config: dict) -> dict[str, tuple[int, ...]]:
     arch = importlib.import_module(f"mlx_lm.models.{config['model_type']}")
     # A copy, because mlx-lm's argument classes rewrite nested dicts (rope_parameters) in place.
     model = arch.Model(arch.ModelArgs.from_dict(copy.deepcopy(config)))  # lazy: nothing is computed
-    return {path: tuple(value.shape) for path, value in tree_flatten(model.parameters())}
+    shapes = {path: tuple(value.shape) for path, value in tree_flatten(model.parameters())}
+    if config.get("tie_word_embeddings"):
+        # Gemma builds an lm_head and drops it at load when the checkpoint has none (tied).
+        shapes.pop("lm_head.weight", None)
+    return shapes
 
 
 def count_params(name: str) -> int:
@@ -156,16 +190,22 @@ def _seed(text: str) -> int:
     return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little")
 
 
+_NORM_OFFSET = {"gemma3_text": 1.0}
+
+
 def init_weight(path: str, shape: tuple[int, ...], spec: ModelSpec, seed: int) -> np.ndarray:
     """One parameter's initial value; each has its own stream so the order of generation is irrelevant."""
     rng = np.random.default_rng([seed, _seed(path)])
     leaf = path.rsplit(".", 2)[-2]  # e.g. "q_proj" of "...self_attn.q_proj.weight"
+    # Gemma's RMSNorm scales by 1 + weight: store the scale minus one, so it scales the same.
+    offset = _NORM_OFFSET.get(spec.config["model_type"], 0.0)
     if path.endswith("model.norm.weight"):
-        return np.full(shape, spec.logit_std / (spec.embed_std * np.sqrt(shape[0])), np.float32)
+        scale = spec.logit_std / (spec.embed_std * np.sqrt(shape[0]))
+        return np.full(shape, scale - offset, np.float32)
     if leaf in ("q_norm", "k_norm"):
-        return np.full(shape, spec.qk_norm, np.float32)
+        return np.full(shape, spec.qk_norm - offset, np.float32)
     if path.endswith("norm.weight"):
-        return np.ones(shape, np.float32)
+        return np.full(shape, 1.0 - offset, np.float32)
     if leaf == "embed_tokens":
         return spec.embed_std * rng.standard_normal(shape, np.float32)
     if path.endswith("A_log"):  # gated-delta decay rates: log(U[1, 16]), the range real models use

@@ -1,5 +1,6 @@
-"""Runner memory addressed by the scheduler's ids: the KV pool (attention layers, one entry per
-KV slot) and the state pool (linear-attention layers, one entry per state slot).
+"""Runner memory addressed by the scheduler's ids: the KV pool (full-attention layers, one entry
+per KV slot) and the state pool (recurrent layers, one entry per state slot). Which layer is
+which: layers.py.
 
 The runner computes on fast working copies (mlx-lm caches per row and per decode batch); the
 pools are the storage of record that prefix reuse goes through: KV is saved into slots when the
@@ -12,43 +13,10 @@ from __future__ import annotations
 from typing import Any
 
 import mlx.core as mx
-import mlx.nn as nn
-
-ATTENTION, LINEAR = "attention", "linear"
-
-
-def _is_attention(module: Any) -> bool:
-    parts = ("q_proj", "k_proj", "v_proj", "o_proj", "rope")
-    heads = any(hasattr(module, a) for a in ("n_kv_heads", "num_key_value_heads", "n_heads",
-                                             "num_attention_heads", "num_heads"))
-    return all(hasattr(module, p) for p in parts) and heads
-
-
-def _is_linear_attention(module: Any) -> bool:
-    # Gated delta nets, Mamba-style mixers: a short convolution over the sequence and a
-    # recurrent state instead of a growing KV.
-    return hasattr(module, "conv1d") and any(
-        hasattr(module, a) for a in ("A_log", "in_proj_qkv", "in_proj_qkvz", "in_proj"))
-
-
-def layer_kinds(model: nn.Module) -> list[str]:
-    """Layer by layer (a hybrid model may start with a linear-attention layer): which layers keep
-    a KV and which a recurrent state, found by duck typing the layer's mixer module."""
-    kinds = []
-    for i, layer in enumerate(model.layers):
-        children = [m for _, m in layer.children().items() if isinstance(m, nn.Module)]
-        if any(_is_attention(m) for m in children):
-            kinds.append(ATTENTION)
-        elif any(_is_linear_attention(m) for m in children):
-            kinds.append(LINEAR)
-        else:
-            raise ValueError(f"layer {i} ({type(layer).__name__}) has neither an attention "
-                             "module nor a linear-attention mixer this runner knows")
-    return kinds
 
 
 class KvPool:
-    """Per attention layer, K and V of one token per slot: [slots, kv_heads, head_dim]. Grows
+    """Per full-attention layer, K and V of one token per slot: [slots, kv_heads, head_dim]. Grows
     by doubling up to the scheduler's capacity: slot ids are handed out low first."""
 
     def __init__(self, layers: list[int], capacity: int):

@@ -6,6 +6,8 @@ Memory (the scheduler only sees row ids, KV slot ids and state slot ids):
   chunk runs; rows that decode share one batched cache per layer (BatchKVCache / ArraysCache,
   left padded), so a decode step is one forward of shape [rows, 1].
 - Storage of record (memory.py): the KV pool by KV slot, the state pool by state slot.
+- Layer kinds (layers.py): full attention (KV pool), sliding window (its window lives in the
+  working copies only: no KV pool, so no KV ops for such a model), recurrent (state pool).
 
 Per step, in this order: the batch's ops (DESIGN section 5), released rows, admissions, the
 prefill chunks, the decode forward (with the last prompt token of every prompt that completes in
@@ -25,7 +27,8 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from protocol import messages as m
 from protocol.codec import unpack_ids
-from actors.model_runner.memory import ATTENTION, LINEAR, KvPool, StatePool, layer_kinds
+from actors.model_runner.layers import classify
+from actors.model_runner.memory import KvPool, StatePool
 from actors.model_runner import fastmath, head, skinny
 from actors.model_runner.sampling import Pending, RowParams, Sampler
 
@@ -50,6 +53,7 @@ class ModelRunner:
                  vocab_size: int = 0, eos_ids: list[int] = (), skinny_matmul: bool = True,
                  fast_math: bool = True):
         self.model = model
+        self._layers(classify(model))  # first: a model it cannot serve is refused as it is
         self.skinny_layers = skinny.apply(model) if skinny_matmul else 0
         if fast_math:
             fastmath.install(model)
@@ -57,10 +61,7 @@ class ModelRunner:
         self.eos_ids = tuple(eos_ids)
         self.sampler = Sampler(vocab_size or self._vocab_width(), max_rows)
         head.install(model, self.sampler.vocab)
-        kinds = layer_kinds(model)
-        self.attention = [i for i, k in enumerate(kinds) if k == ATTENTION]
-        self.linear = [i for i, k in enumerate(kinds) if k == LINEAR]
-        self.kv_pool = KvPool(self.attention, kv_slots) if kv_slots else None
+        self.kv_pool = KvPool(self.full, kv_slots) if kv_slots else None
         self.states = (StatePool(self._state_shapes(), state_slots)
                        if self.linear and state_slots else None)
         self.token_buf = mx.zeros((max_rows + 1,), dtype=mx.int32)  # row 0 is padding
@@ -72,6 +73,16 @@ class ModelRunner:
         # Rows that stopped decoding but are not released yet (finished while a step was in
         # flight, or being retracted): their KV may still be saved for the prefix cache.
         self.parked: dict[int, list[Any]] = {}
+
+    def _layers(self, kinds: list[str]) -> None:
+        self.kinds = kinds
+        self.full = [i for i, k in enumerate(kinds) if k == m.LAYER_FULL]
+        self.linear = [i for i, k in enumerate(kinds) if k == m.LAYER_RECURRENT]
+        # Layers whose caches keep K/V and count positions in `offset` (prompt-chunk checks).
+        self.attention = [i for i, k in enumerate(kinds) if k in (m.LAYER_FULL, m.LAYER_SLIDING)]
+        # Layers the pools cannot restore a prefix of: their KV ops are refused.
+        self.unpooled = [i for i, k in enumerate(kinds)
+                         if k not in (m.LAYER_FULL, m.LAYER_RECURRENT)]
 
     def _vocab_width(self) -> int:
         return self.model(mx.array([[0]])).shape[-1]
@@ -179,13 +190,23 @@ class ModelRunner:
         elif op.kind in (m.OP_COPY, m.OP_SNAPSHOT):
             self._need(self.states, "state").copy(op.src, op.dst)
         elif op.kind == m.OP_KV_SAVE:
+            self._kv_op_allowed("save")
             self._save_kv(op.dst, op.start, unpack_ids(op.slots))
         elif op.kind == m.OP_KV_LOAD:
+            self._kv_op_allowed("load")
             # Used when the row's first chunk runs in this step: the row may first be released
             # from its previous request below.
             self.pending_load[op.dst] = unpack_ids(op.slots)
         else:
             raise StepError(f"unknown op kind {op.kind}")
+
+    def _kv_op_allowed(self, what: str) -> None:
+        """A sliding-window layer keeps only its window, so the pool cannot give a prefix of
+        it back: the scheduler runs such a model with the prefix cache off."""
+        if self.unpooled:
+            kinds = sorted({self.kinds[i] for i in self.unpooled})
+            raise StepError(f"KV {what}, but layers {self.unpooled} ({', '.join(kinds)}) "
+                            "cannot be restored from the KV pool")
 
     def _need(self, pool: Any, what: str) -> Any:
         if pool is None:
@@ -200,10 +221,10 @@ class ModelRunner:
         elif row in self.decode_rows:
             caches, index = self.decode_cache, self.decode_rows.index(row)
             fastmath.before_wait()
-            pad = int(caches[self.attention[0]].left_padding[index].item())
+            pad = int(caches[self.full[0]].left_padding[index].item())
         else:
             raise StepError(f"KV save for row {row}, which holds no KV")
-        for layer in self.attention:
+        for layer in self.full:
             c = caches[layer]
             keys = c.keys[index, :, pad + start:pad + end, :].transpose(1, 0, 2)
             values = c.values[index, :, pad + start:pad + end, :].transpose(1, 0, 2)
@@ -299,7 +320,7 @@ class ModelRunner:
         cache = make_prompt_cache(self.model)
         if slots:
             pool = self._need(self.kv_pool, "KV")
-            for layer in self.attention:
+            for layer in self.full:
                 keys, values = pool.load(layer, slots)
                 c = cache[layer]
                 c.keys = keys.transpose(1, 0, 2)[None]

@@ -4,6 +4,9 @@ TokenBatches to the detokenizer out.
 Overlap (scheduler.overlap, the default): up to two steps are in flight, so when step N's result
 arrives the runner is already running step N+1; the scheduler processes N's result and builds
 N+2 while it does. Without overlap, one step at a time.
+
+At startup the scheduler waits for the runner's ModelLayers (what each layer of the loaded model
+keeps): the prefix cache it builds its core with depends on them (layers.py).
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from __future__ import annotations
 import time
 
 from actors.scheduler.core import Outputs, Scheduler
+from actors.scheduler.layers import plan_prefix
 from actors.shell import Shell, run_actor
 from actors.sizing import kv_capacity, state_capacity
 from actors.tokenizer.loading import load_decoder
@@ -21,35 +25,61 @@ from protocol.codec import unpack_ids
 class SchedulerActor:
     def __init__(self, shell: Shell):
         self.shell, self.log = shell, shell.log
-        cfg = shell.cfg.scheduler
-        self.depth = 2 if cfg.overlap else 1
-        self.core = Scheduler(max_running=cfg.max_running_requests,
-                              context_length=shell.model.context_length,
-                              eos_ids=shell.model.eos_ids,
-                              chunked_prefill_size=cfg.chunked_prefill_size,
-                              kv_slots=kv_capacity(shell.cfg, shell.model),
-                              state_slots=state_capacity(shell.cfg, shell.model),
-                              prefix_cache=shell.cfg.cache.prefix,
-                              snapshot_interval=shell.cfg.cache.snapshot_interval,
-                              max_queued=cfg.max_queued_requests,
-                              output_reserve=cfg.output_reserve_tokens,
-                              decode=load_decoder(shell.model.path))
+        self.depth = 2 if shell.cfg.scheduler.overlap else 1
         self.inbox = shell.bind_inbox(m.SchedulerInbox)
         self.arrival: dict[str, float] = {}
         self.was_idle = True
-        self.stats_at, self.last_stats = time.monotonic(), self.core.memory.stats()
         self.admitted_tokens = self.interval_hits = 0
 
+    def _build_core(self, kinds: list[str]) -> Scheduler:
+        cfg, model = self.shell.cfg, self.shell.model
+        plan = plan_prefix(kinds, cfg.cache.prefix)
+        if plan.blocked and cfg.cache.prefix:
+            self.log.warning("cache.prefix_off", layers=plan.blocked, reason=plan.reason)
+        return Scheduler(max_running=cfg.scheduler.max_running_requests,
+                         context_length=model.context_length, eos_ids=model.eos_ids,
+                         chunked_prefill_size=cfg.scheduler.chunked_prefill_size,
+                         kv_slots=kv_capacity(cfg, model), state_slots=state_capacity(cfg, model),
+                         prefix_cache=plan.prefix, share_groups=plan.share_groups,
+                         snapshot_interval=cfg.cache.snapshot_interval,
+                         max_queued=cfg.scheduler.max_queued_requests,
+                         output_reserve=cfg.scheduler.output_reserve_tokens,
+                         decode=load_decoder(model.path))
+
+    async def _await_layers(self) -> tuple[list[str], list] | None:
+        """The runner's ModelLayers, and every message that came before it (kept, in order,
+        to be handled once the core exists); None if told to shut down first."""
+        timeout = self.shell.cfg.launch.ready_timeout_s
+        deadline, early = time.monotonic() + timeout, []
+        while (left := deadline - time.monotonic()) > 0:
+            msgs = await self.inbox.recv_all(timeout=left)
+            for i, msg in enumerate(msgs):
+                match msg:
+                    case m.ModelLayers():
+                        return msg.kinds, early + msgs[i + 1:]
+                    case m.Shutdown():
+                        return None  # the runner never loaded: nothing here to drain
+                    case _:
+                        early.append(msg)
+        raise TimeoutError(f"no ModelLayers from the runner within {timeout:g} s "
+                           "(launch.ready_timeout_s)")
+
     async def serve(self) -> None:
+        got = await self._await_layers()
+        if got is None:
+            return
+        kinds, msgs = got
+        self.core = self._build_core(kinds)
+        self.stats_at, self.last_stats = time.monotonic(), self.core.memory.stats()
         mem = self.core.memory
         self.log.info("scheduler.config", overlap=self.depth == 2, kv_slots=mem.slots.capacity,
                       state_slots=mem.states.capacity if mem.states else 0,
-                      prefix_cache=mem.tree is not None, rows=self.core.rows.size,
-                      chunked_prefill_size=self.core.chunk)
+                      prefix_cache=mem.prefix, share_groups=mem.tree is not None,
+                      rows=self.core.rows.size, chunked_prefill_size=self.core.chunk)
         await self.shell.ready()
         while True:
             out = Outputs()
-            for msg in await self.inbox.recv_all():
+            for msg in msgs or await self.inbox.recv_all():
                 match msg:
                     case m.TokenizedRequest():
                         self.arrival[msg.rid] = time.monotonic()
@@ -64,6 +94,7 @@ class SchedulerActor:
                         out.merge(self.core.on_result(msg))
                     case m.Shutdown():
                         return
+            msgs = []
             while len(self.core.in_flight) < self.depth:
                 batch = self.core.schedule()
                 if batch is None:

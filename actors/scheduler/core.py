@@ -108,9 +108,11 @@ class Scheduler:
                  chunked_prefill_size: int = 512, kv_slots: int = 1 << 20,
                  max_queued: int = 1 << 16, output_reserve: int = 64, state_slots: int = 0,
                  prefix_cache: bool = False, snapshot_interval: int = 0,
-                 decode: Callable[[list[int]], str] | None = None):
+                 decode: Callable[[list[int]], str] | None = None, share_groups: bool = True):
         self.rows = RowPool(max_running)
-        self.memory = Memory(kv_slots, state_slots, prefix_cache)
+        # share_groups False (a model whose layers the tree cannot restore, layers.py): the
+        # choices of a group prefill on their own, and nothing goes through the tree.
+        self.memory = Memory(kv_slots, state_slots, prefix_cache, share_groups)
         self.slots = self.memory.slots
         self.chunk = chunked_prefill_size
         # Hybrid models resume a prefix only where a state snapshot was taken, and snapshots

@@ -26,6 +26,7 @@ class Memory:
         self.states = SlotPool(state_slots) if state_slots else None
         # Without the prefix cache the tree still carries a group's shared prompt (n > 1) from
         # the sibling that computed it to the others, and is emptied when they let go of it.
+        # share_groups False (layers the tree cannot restore): no tree, no KV op at all.
         self.prefix = prefix
         self.tree = RadixCache(self.slots, self.states) if prefix or share_groups else None
         self.ops: list[m.Op] = []
@@ -150,7 +151,8 @@ class Memory:
         if req.state >= 0:
             self.states.free([req.state])
         req.slots, req.tree_len, req.lock, req.state = [], 0, None, -1
-        if req.group and not self.prefix:  # no cache across requests: drop what is let go
+        if req.group and self.tree is not None and not self.prefix:
+            # No cache across requests: drop what the group let go of.
             self.evicted_tokens += self.tree.evict(self.tree.cached_tokens)
 
     def take_ops(self) -> list[m.Op]:

@@ -16,7 +16,7 @@ from actors.model_runner import builtin
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # every load below is local; never reach for the hub
 
-TINY = ["qwen3-tiny", "qwen3_5-tiny"]
+TINY = ["qwen3-tiny", "qwen3_5-tiny", "gemma3-tiny"]
 PROMPTS = [
     "Hello world",
     "def fibonacci(n):",
@@ -65,6 +65,14 @@ def test_unknown_name_is_rejected(tmp_path):
 def test_parameter_counts_from_the_spec():
     assert 100e6 <= builtin.count_params("qwen3-small") <= 150e6
     assert builtin.count_params("qwen3-tiny") < 12e6
+    assert builtin.count_params("gemma3-tiny") < 12e6
+
+
+def test_spec_hashes_of_shipped_builtins_do_not_change():
+    # A changed hash rebuilds every cached copy of that model: only on purpose.
+    assert {name: builtin.spec_hash(spec) for name, spec in builtin.BUILTINS.items()} == {
+        "qwen3-tiny": "42664b08ef", "qwen3-small": "3a8dd0866f", "qwen3_5-tiny": "ef233078fa",
+        "gemma3-tiny": "7b209a4682"}
 
 
 def test_changed_spec_changes_directory_name():
@@ -118,6 +126,19 @@ def test_qwen3_5_mixes_linear_and_full_attention(loaded):
     assert linear[0] and not all(linear)
     kinds = [type(c) for c in model.make_cache()]
     assert kinds == [ArraysCache if is_linear else KVCache for is_linear in linear]
+
+
+def test_gemma3_mixes_sliding_window_and_full_attention(loaded):
+    from mlx_lm.models.cache import KVCache, RotatingKVCache
+
+    directory, model, _ = loaded("gemma3-tiny")
+    caches = model.make_cache()
+    assert [type(c) for c in caches] == [RotatingKVCache, KVCache] * 2
+    assert caches[0].max_size == 32
+    assert model.tie_word_embeddings  # no lm_head in the checkpoint: tied, as the spec says
+    config = json.loads((directory / "config.json").read_text())
+    assert config["architectures"] == ["Gemma3ForCausalLM"]
+    assert config["layer_types"] == ["sliding_attention", "full_attention"] * 2
 
 
 @pytest.mark.parametrize("name", TINY)

@@ -1,0 +1,108 @@
+"""What each layer of the model keeps per request, found once at launch (DESIGN section 5,
+"Layer kinds and what a cached prefix holds for each").
+
+The mlx-lm cache object a layer gets from `make_prompt_cache` is what the runner keeps for a
+request, so it decides the layer's kind (protocol.messages LAYER_*):
+- KVCache: "full", K and V of every position (the KV pool can hold a prefix of it);
+- RotatingKVCache: "sliding", K and V of the last `window` positions only;
+- ArraysCache and its subclasses (MambaCache): "recurrent", one state (the state pool);
+- anything else: "other:<cache type>", served as mlx-lm serves it.
+The runner's decode path batches every layer's cache (merge, then extract/filter/extend), so a
+cache it cannot batch is refused here, at launch, by layer and type, never by a failing request.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.nn as nn
+from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, make_prompt_cache
+
+from protocol.messages import LAYER_FULL, LAYER_OTHER, LAYER_RECURRENT, LAYER_SLIDING
+
+ATTENTION, LINEAR = "attention", "linear"
+BATCHED = ("extract", "filter", "extend")  # what the decode path calls on a merged cache
+
+
+def _is_attention(module: Any) -> bool:
+    parts = ("q_proj", "k_proj", "v_proj", "o_proj", "rope")
+    heads = any(hasattr(module, a) for a in ("n_kv_heads", "num_key_value_heads", "n_heads",
+                                             "num_attention_heads", "num_heads"))
+    return all(hasattr(module, p) for p in parts) and heads
+
+
+def _is_linear_attention(module: Any) -> bool:
+    # Gated delta nets, Mamba-style mixers: a short convolution over the sequence and a
+    # recurrent state instead of a growing KV.
+    return hasattr(module, "conv1d") and any(
+        hasattr(module, a) for a in ("A_log", "in_proj_qkv", "in_proj_qkvz", "in_proj"))
+
+
+def layer_kinds(model: nn.Module) -> list[str | None]:
+    """Layer by layer, the mixer found by duck typing: ATTENTION, LINEAR, or None where the
+    layer has neither module this file knows (its cache still decides how it is served)."""
+    kinds: list[str | None] = []
+    for layer in model.layers:
+        children = [m for _, m in layer.children().items() if isinstance(m, nn.Module)]
+        if any(_is_attention(m) for m in children):
+            kinds.append(ATTENTION)
+        elif any(_is_linear_attention(m) for m in children):
+            kinds.append(LINEAR)
+        else:
+            kinds.append(None)
+    return kinds
+
+
+def cache_kind(cache: Any) -> str:
+    if isinstance(cache, RotatingKVCache):
+        return LAYER_SLIDING
+    if isinstance(cache, KVCache):
+        return LAYER_FULL
+    if isinstance(cache, ArraysCache):
+        return LAYER_RECURRENT
+    return f"{LAYER_OTHER}:{type(cache).__name__}"
+
+
+def batchable(cache: Any) -> bool:
+    """Rows join the decode batch through `type(c).merge`; leaving it takes extract and filter,
+    joining a running batch extend. A fresh cache merges like a filled one."""
+    merge = getattr(type(cache), "merge", None)
+    if merge is None:
+        return False
+    try:
+        merged = merge([cache])
+    except Exception:
+        return False
+    return all(callable(getattr(merged, name, None)) for name in BATCHED)
+
+
+def classify(model: nn.Module) -> list[str]:
+    """Every layer's kind, in layer order; ValueError naming the layers and cache types the
+    runner cannot serve."""
+    caches = make_prompt_cache(model)
+    refused: dict[str, list[int]] = {}
+    for i, cache in enumerate(caches):
+        if not batchable(cache):
+            refused.setdefault(type(cache).__name__, []).append(i)
+    if refused:
+        named = "; ".join(f"layer{'s' * (len(at) > 1)} {', '.join(map(str, at))} ({kind})"
+                          for kind, at in refused.items())
+        raise ValueError(f"the runner cannot batch the cache of {named}: mlx-lm gives it no "
+                         "merge, or no extract/filter/extend once merged")
+    kinds = [cache_kind(c) for c in caches]
+    _check_mixers(model, kinds)
+    return kinds
+
+
+def _check_mixers(model: nn.Module, kinds: list[str]) -> None:
+    """The runner restores a layer's KV or state by the cache's index: a KV cache on a
+    linear-attention layer, or a state on an attention layer, means the caches do not follow
+    the layers, and a request would resume from the wrong layer's memory."""
+    layers = getattr(model, "layers", None)
+    if layers is None or len(layers) != len(kinds):
+        return  # caches not one per layer (shared KV): nothing to compare them with
+    for i, (mixer, kind) in enumerate(zip(layer_kinds(model), kinds)):
+        keeps_kv = kind in (LAYER_FULL, LAYER_SLIDING)
+        if (mixer == LINEAR and keeps_kv) or (mixer == ATTENTION and kind == LAYER_RECURRENT):
+            raise ValueError(f"layer {i} is {mixer} attention but its mlx-lm cache is "
+                             f"{kind}: the caches do not follow the layers")

@@ -1,0 +1,45 @@
+"""What the radix tree can hold for the served model, decided from the layer kinds the runner
+found when it loaded it (ModelLayers; DESIGN section 5, "Layer kinds and what a cached prefix
+holds for each").
+
+A radix node restores a prefix from KV slots (full-attention layers) and, for hybrid models, a
+state snapshot (recurrent layers). A sliding-window layer keeps only its last `window`
+positions, so neither restores it, and nothing restores a layer of another kind yet. For such a
+model the tree is not used at all: no prefix cache, and the n choices of a group each prefill
+their prompt (sharing it goes through the same KV save and load).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from protocol.messages import LAYER_FULL, LAYER_RECURRENT, LAYER_SLIDING
+
+RESTORABLE = (LAYER_FULL, LAYER_RECURRENT)
+_WHY = {
+    LAYER_SLIDING: "sliding-window layers keep only the last `window` positions; prefix caching "
+                   "of sliding-window models (a window snapshot per radix node) is not "
+                   "supported yet",
+}
+
+
+@dataclass(frozen=True)
+class PrefixPlan:
+    prefix: bool  # the radix prefix cache across requests
+    share_groups: bool  # a group's choices reuse the prompt one of them computed
+    blocked: dict[str, list[int]] = field(default_factory=dict)  # kind -> layers in the way
+    reason: str = ""  # why, for the launch log; empty when nothing is in the way
+
+
+def plan_prefix(kinds: list[str], wanted: bool) -> PrefixPlan:
+    """The prefix cache as configured (`wanted`) where every layer is restorable; else off,
+    and group sharing with it."""
+    blocked: dict[str, list[int]] = {}
+    for i, kind in enumerate(kinds):
+        if kind not in RESTORABLE:
+            blocked.setdefault(kind, []).append(i)
+    if not blocked:
+        return PrefixPlan(prefix=wanted, share_groups=True)
+    reason = "; ".join(_WHY.get(kind, f"{kind} layers keep nothing a radix node can restore")
+                       for kind in blocked)
+    return PrefixPlan(prefix=False, share_groups=False, blocked=blocked, reason=reason)

@@ -1,0 +1,137 @@
+"""Layer kinds at launch (runner: actors/model_runner/layers.py) and what the scheduler's radix
+tree may hold for them (actors/scheduler/layers.py)."""
+
+import mlx.nn as nn
+import pytest
+from mlx_lm.models.cache import (ArraysCache, CacheList, ChunkedKVCache, ConcatenateKVCache,
+                                 KVCache, QuantizedKVCache)
+
+from actors.model_runner.builtin import ensure_builtin
+from actors.model_runner.layers import classify
+from actors.model_runner.loading import load_model
+from actors.model_runner.runner import ModelRunner, StepError
+from actors.scheduler.core import Scheduler
+from actors.scheduler.layers import plan_prefix
+from protocol import messages as m
+from protocol.codec import pack_ids
+
+EXPECTED = {
+    "qwen3-tiny": ["full", "full"],
+    "qwen3_5-tiny": ["recurrent", "recurrent", "recurrent", "full"],
+    "gemma3-tiny": ["sliding", "full", "sliding", "full"],
+}
+
+
+class FakeModel(nn.Module):
+    """Layers without modules the duck typing knows, and the caches it is given."""
+
+    def __init__(self, make):
+        super().__init__()
+        self.make = make
+        self.layers = [nn.Identity() for _ in make()]
+
+    def make_cache(self):
+        return self.make()
+
+
+@pytest.fixture(scope="module")
+def models(model_cache):
+    return {name: load_model(str(ensure_builtin(name, model_cache, progress=False)))
+            for name in EXPECTED}
+
+
+@pytest.mark.parametrize("name", list(EXPECTED))
+def test_builtins_are_classified_by_their_mlx_lm_caches(models, name):
+    assert classify(models[name]) == EXPECTED[name]
+
+
+def test_runner_lists_follow_the_kinds(models):
+    runner = ModelRunner(models["gemma3-tiny"], 2, kv_slots=64)
+    assert runner.kinds == EXPECTED["gemma3-tiny"]
+    assert runner.full == [1, 3] and runner.attention == [0, 1, 2, 3]
+    assert runner.linear == [] and runner.unpooled == [0, 2]
+    assert runner.kv_pool.layers == [1, 3]  # the pool holds only what it can give back
+
+
+@pytest.mark.parametrize("cache, name", [
+    (lambda: ChunkedKVCache(16), "ChunkedKVCache"),
+    (QuantizedKVCache, "QuantizedKVCache"),
+    (ConcatenateKVCache, "ConcatenateKVCache"),
+])
+def test_a_cache_the_runner_cannot_batch_is_refused_by_layer_and_type(cache, name):
+    model = FakeModel(lambda: [KVCache(), cache(), KVCache(), cache()])
+    with pytest.raises(ValueError, match=rf"layers 1, 3 \({name}\)"):
+        classify(model)
+    with pytest.raises(ValueError, match=name):
+        ModelRunner(model, 2)  # refused before the runner touches the model
+
+
+def test_other_batchable_caches_are_served_as_other_kinds():
+    model = FakeModel(lambda: [KVCache(), CacheList(KVCache(), ArraysCache(2))])
+    assert classify(model) == ["full", "other:CacheList"]
+
+
+def test_caches_that_do_not_follow_the_layers_are_refused(models):
+    model = models["qwen3_5-tiny"]
+    stock = type(model).make_cache
+    try:
+        type(model).make_cache = lambda self: stock(self)[::-1]
+        with pytest.raises(ValueError, match="layer 0 is linear attention but its mlx-lm cache "
+                                             "is full"):
+            classify(model)
+    finally:
+        type(model).make_cache = stock
+
+
+def test_kv_ops_on_a_sliding_window_model_are_refused(models):
+    runner = ModelRunner(models["gemma3-tiny"], 2, kv_slots=64)
+    load = m.Op(kind=m.OP_KV_LOAD, dst=1, slots=pack_ids([0, 1, 2]))
+    batch = m.ForwardBatch(step=1, rows=[], input_lens=[], start_pos=[], future=[], sample=[],
+                           input_ids=b"", ops=[load])
+    with pytest.raises(StepError, match=r"layers \[0, 2\] \(sliding\) cannot be restored"):
+        runner.step(batch)
+
+
+# -- what the scheduler's tree may hold --------------------------------------------------------
+
+
+@pytest.mark.parametrize("kinds", [EXPECTED["qwen3-tiny"], EXPECTED["qwen3_5-tiny"]])
+@pytest.mark.parametrize("wanted", [True, False])
+def test_full_and_recurrent_layers_keep_the_configured_prefix_cache(kinds, wanted):
+    plan = plan_prefix(kinds, wanted)
+    assert (plan.prefix, plan.share_groups, plan.blocked, plan.reason) == (wanted, True, {}, "")
+
+
+@pytest.mark.parametrize("wanted", [True, False])
+def test_sliding_window_layers_turn_the_tree_off(wanted):
+    plan = plan_prefix(EXPECTED["gemma3-tiny"], wanted)
+    assert not plan.prefix and not plan.share_groups
+    assert plan.blocked == {"sliding": [0, 2]}
+    assert "sliding-window layers keep only the last `window` positions" in plan.reason
+
+
+def test_other_kinds_turn_the_tree_off_and_are_named():
+    plan = plan_prefix(["full", "other:CacheList", "sliding"], True)
+    assert plan.blocked == {"other:CacheList": [1], "sliding": [2]}
+    assert "other:CacheList layers" in plan.reason and "sliding-window" in plan.reason
+
+
+def test_without_group_sharing_choices_prefill_on_their_own_with_no_kv_ops():
+    plan = plan_prefix(EXPECTED["gemma3-tiny"], True)
+    s = Scheduler(max_running=4, context_length=128, eos_ids=[99], chunked_prefill_size=64,
+                  kv_slots=256, prefix_cache=plan.prefix, share_groups=plan.share_groups)
+    assert s.memory.tree is None
+    for k in range(3):
+        s.add(f"c{k}", list(range(1, 21)), m.SamplingParams(max_new_tokens=3), group="g")
+    batches, finished = [], []
+    while (batch := s.schedule()) is not None:
+        batches.append(batch)
+        rows = [r for r, smp in zip(batch.rows, batch.sample) if smp]
+        out = s.on_result(m.StepResult(step=batch.step, rows=rows, tokens=[7] * len(rows)))
+        finished += out.finished
+    # All three admitted at once, each prefilling the whole prompt; nothing saved or loaded.
+    assert batches[0].input_lens == [20, 20, 20] and len(batches[0].admit_rows) == 3
+    assert [op for b in batches for op in b.ops] == []
+    assert sorted((f.rid, f.reason, f.cached_tokens) for f in finished) == [
+        (f"c{k}", "length", 0) for k in range(3)]
+    assert s.idle and not any(s.leaks().values())
