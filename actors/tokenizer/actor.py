@@ -75,16 +75,25 @@ class TokenizerActor:
         poller.register(self.peers.monitor, zmq.POLLIN)
         while True:
             await poller.poll()
-            # Disconnects first: a closed connection's fd can be reused by a new client whose
-            # messages are already queued; its DISCONNECTED event was queued before them.
-            for identity in self.peers.gone():
-                for msg in self.front.client_gone(identity):
-                    await self.shell.send("scheduler", msg)
-            while (frames := self._recv_client()) is not None:
+            while True:
+                # Disconnects first, before every message: a closed connection's fd can be
+                # reused by a new client. libzmq queues the old connection's DISCONNECTED
+                # event before it closes the fd, so before the new connection's first message
+                # is readable, but maybe after the previous message was read: checking once
+                # per poll put the new client on the old fd, and its requests were aborted
+                # with the old connection (found by the soak in launch/bench_fuzz.py).
+                await self._abort_gone()
+                if (frames := self._recv_client()) is None:
+                    break
                 replies, forward = self.front.on_client(frames, time.monotonic())
                 for msg in forward:
                     await self.shell.send("scheduler", msg)
                 await self._reply(replies)
+
+    async def _abort_gone(self) -> None:
+        for identity in self.peers.gone():
+            for msg in self.front.client_gone(identity):
+                await self.shell.send("scheduler", msg)
 
     def _recv_client(self) -> list[bytes] | None:
         try:

@@ -69,6 +69,9 @@ def decode_body(raw: bytes, cls: type, limits: LimitsConfig) -> Any:
         raise RequestError(f"body of {len(raw)} bytes is over limits.max_body_bytes "
                            f"({limits.max_body_bytes})", 413)
     try:
+        # JSON is UTF-8 throughout; the decoder checks only the strings it keeps, so a bad
+        # byte in a field it skips (an unknown key) would pass unseen.
+        raw.decode("utf-8")
         return msgspec.json.decode(raw, type=cls)
     except msgspec.ValidationError as e:
         path = str(e).rsplit("$.", 1)

@@ -7,6 +7,8 @@ from __future__ import annotations
 import math
 import random
 import signal
+import threading
+import time
 
 import json
 import urllib.error
@@ -101,6 +103,48 @@ class Response:
         return json.loads(self.text)
 
 
+def test_a_new_client_on_a_reused_fd_is_not_aborted_with_the_old_one(graph):
+    """Client A sends and leaves; client B connects at once (the kernel hands it A's fd) and
+    sends, while a third client keeps the tokenizer reading frames: only A's request may be
+    aborted."""
+    ctx = zmq.Context()
+    done = threading.Event()
+
+    def flood() -> None:
+        c = ctx.socket(zmq.DEALER)
+        c.connect(graph.address)
+        outstanding = 0
+        while not done.is_set():
+            while outstanding < 50:  # bounded: a send never blocks on the high-water mark
+                c.send(b"\xc1")
+                outstanding += 1
+            if c.poll(10):
+                c.recv()
+                outstanding -= 1
+        c.close(linger=0)
+
+    flooder = threading.Thread(target=flood)
+    flooder.start()
+    try:
+        for k in range(60):
+            a = ctx.socket(zmq.DEALER)
+            a.connect(graph.address)
+            a.send(_frame(req_id=f"a{k}", prompt="Leaving soon", max_new_tokens=64,
+                          ignore_eos=True))
+            a.close(linger=0)
+            b = ctx.socket(zmq.DEALER)
+            b.setsockopt(zmq.RCVTIMEO, 60000)
+            b.connect(graph.address)
+            b.send(_frame(req_id=f"b{k}", prompt="Staying here", max_new_tokens=3))
+            reply = _dec.decode(b.recv())
+            b.close(linger=0)
+            assert isinstance(reply, m.Finished) and reply.finish_reason == "length", (k, reply)
+    finally:
+        done.set()
+        flooder.join(10)
+        ctx.destroy(linger=0)  # closes a socket left open by a failed assertion
+
+
 def _post(graph, path: str, body: bytes | dict) -> Response:
     content = body if isinstance(body, bytes) else msgspec.json.encode(body)
     req = urllib.request.Request(graph.http + path, data=content, method="POST",
@@ -153,6 +197,7 @@ BAD_BODIES = [
     ("/v1/completions", b'{"prompt": "hi", "max_tokens": 2, "logit_bias": {"5": NaN}}',
      "malformed"),
     ("/v1/completions", b'{"prompt": "\xff\xfe"}', "UTF-8"),
+    ("/v1/completions", b'{"prompt": "hi", "max_tok\xddns": 2}', "UTF-8"),  # an unknown key
     ("/v1/completions", b'{"prompt": "\\ud800"}', "malformed"),  # a lone surrogate
     ("/v1/chat/completions", _chat(messages=[{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "x"}}]}]), "text only"),
