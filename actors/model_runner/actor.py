@@ -10,6 +10,8 @@ import threading
 import time
 import traceback
 
+import mlx.core as mx
+
 from actors.model_runner import blas
 from actors.model_runner.loading import load_model
 from actors.model_runner.runner import Launched, ModelRunner
@@ -169,7 +171,11 @@ class Utilisation:
                           idle_fraction=round(1 - self.busy / wall, 4), busy_s=round(self.busy, 4),
                           wall_s=round(wall, 4), steps=self.steps,
                           steps_per_s=round(self.steps / wall, 2),
-                          tokens_per_s=round(self.tokens / wall, 2))
+                          tokens_per_s=round(self.tokens / wall, 2),
+                          # Live arrays vs freed buffers MLX keeps for reuse: RSS counts both,
+                          # a leak grows the first.
+                          mlx_active_mib=round(mx.get_active_memory() / 2**20, 1),
+                          mlx_cache_mib=round(mx.get_cache_memory() / 2**20, 1))
         self._reset(now)
 
 

@@ -272,4 +272,6 @@ def _guess_req_id(payload: bytes) -> str:
     except Exception:
         return ""
     rid = raw.get("req_id") if isinstance(raw, dict) else None
-    return rid if isinstance(rid, str) and len(rid) <= 256 else ""
+    # Echoed whole, however long: a client matches replies by the exact id (one with "" is
+    # taken by the async client as an error for every request it has open).
+    return rid if isinstance(rid, str) else ""

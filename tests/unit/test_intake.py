@@ -109,3 +109,12 @@ def test_http_bodies_name_the_field_and_cap_the_size():
     with pytest.raises(RequestError) as e:
         decode_body(b"{}" + b" " * 200, ChatBody, LimitsConfig(max_body_bytes=100))
     assert e.value.code == 413
+
+
+def test_a_refusal_echoes_the_req_id_however_long():
+    """The async client matches replies by req_id; one with "" fails every request it has
+    open, so a refused frame's req_id comes back whole."""
+    long_id = "x" * 300
+    [(_, reply)] = frontend().on_client(frame(req_id=long_id, prompt="hi", temperature=-1.0),
+                                        0.0)[0]
+    assert isinstance(reply, m.ErrorReply) and reply.req_id == long_id

@@ -1,0 +1,42 @@
+"""Issue F at a small scale: the fuzz + soak job (launch/bench_fuzz.py) against a real graph on
+qwen3-tiny, through the job's own API. 300 ZMQ frames, 300 HTTP bodies and 200 soak requests
+at concurrency 16: about a minute on a 2-core machine. The full run is
+`python -m launch.bench_fuzz` (README, Benchmarks)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from actors.model_runner.builtin import ensure_builtin
+from launch import bench_fuzz
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def report(model_cache, tmp_path_factory):
+    ensure_builtin("qwen3-tiny", cache_dir=model_cache, progress=False)
+    out = tmp_path_factory.mktemp("fuzz")
+    args = bench_fuzz.parse_args([
+        "--model", "qwen3-tiny", "--zmq-cases", "300", "--http-cases", "300",
+        "--soak-requests", "200", "--concurrency", "16", "--timeout", "20",
+        "--request-timeout", "60", "--canary-every-s", "10", "--seed", "1",
+        "--log-dir", str(out), "--report", str(out / "report.json"), "--quiet"])
+    result = bench_fuzz.run(args)
+    (out / "report.json").write_text(json.dumps(result, indent=1, default=str))
+    return result
+
+
+def test_every_case_was_sent(report):
+    assert report["zmq"]["cases"] == 300
+    assert report["http"]["cases"] == 300
+    assert report["soak"]["requests"] == 200
+    assert report["soak"]["aborts"] > 0 and report["soak"]["zmq_disconnects"] > 0
+    assert report["soak"]["http_closed"] > 0
+
+
+def test_no_input_takes_the_server_down(report):
+    failed = {c["name"]: c["detail"] for c in report["criteria"] if not c["ok"]}
+    assert not failed, bench_fuzz.table(report)
