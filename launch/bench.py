@@ -163,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     from actors.model_runner import blas
     from actors.model_runner.loading import read_model_info
-    from actors.tokenizer.loading import load_tokenizer
+    from actors.text_tokenizer import load_tokenizer
 
     blas.find(args.blas)
     model_dir = resolve_model(args)

@@ -29,11 +29,9 @@ import argparse
 import asyncio
 import functools
 import json
-import os
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Awaitable, Callable
 
@@ -41,101 +39,8 @@ from launch import bench_fuzz_bodies as bodies, bench_fuzz_frames as frames
 from launch.bench_fuzz_cases import Values, cases
 from launch.bench_fuzz_clients import Feed, Tally, http_fuzz, zmq_fuzz
 from launch.bench_fuzz_soak import canary, soak
-from launch.benchgraph import Started, start_graph, stop_graph
-
-ACTORS = ("tokenizer", "scheduler", "runner", "detokenizer")
-CRASH_EVENTS = ("actor.crashed", "actor.failed", "actor.died", "launch.failed")
-
-
-class LogTail:
-    """The graph's JSON log file, read as it grows."""
-
-    def __init__(self, path: Path):
-        self.path, self.pos, self.rest = path, 0, b""
-        self.records: list[dict] = []
-
-    def poll(self) -> list[dict]:
-        try:
-            with open(self.path, "rb") as f:
-                f.seek(self.pos)
-                data = f.read()
-        except FileNotFoundError:
-            return self.records
-        self.pos += len(data)
-        *lines, self.rest = (self.rest + data).split(b"\n")
-        for line in lines:
-            try:
-                self.records.append(json.loads(line))
-            except ValueError:
-                self.records.append({"event": "raw", "line": line[:300].decode("latin-1")})
-        return self.records
-
-    def events(self, name: str) -> list[dict]:
-        return [r for r in self.poll() if r.get("event") == name]
-
-
-def alive(pid: int) -> bool:
-    """Running, and not a zombie waiting to be reaped."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        try:
-            os.kill(pid, 0)
-            return True
-        except OSError:
-            return False
-
-
-@dataclass
-class Graph:
-    started: Started
-    log: LogTail
-
-    def pids(self) -> dict[str, int]:
-        return {r["actor"]: r["pid"] for r in self.log.events("actor.ready")}
-
-    def problem(self) -> str:
-        """Why the graph is down, or "" while the launcher and every actor run."""
-        code = self.started.proc.poll()
-        if code is not None:
-            return f"launcher exited with code {code}"
-        for actor, pid in self.pids().items():
-            if not alive(pid):
-                return f"actor {actor} (pid {pid}) is gone"
-        return ""
-
-    def rss_mib(self, actor: str = "runner") -> float | None:
-        try:
-            status = Path(f"/proc/{self.pids()[actor]}/status").read_text()
-        except (KeyError, OSError):
-            return None
-        kib = next(int(line.split()[1]) for line in status.splitlines()
-                   if line.startswith("VmRSS:"))
-        return kib / 1024
-
-    def first_failure(self) -> str:
-        """The actor whose failure took the graph down, from the log (the launcher then stops
-        the others, so the first pid found gone may be a bystander)."""
-        for r in self.log.poll():
-            if r.get("event") in ("actor.failed", "actor.died"):
-                return f"actor {r.get('name')} failed: {r.get('error') or r.get('exit_code')}"
-        return ""
-
-    def crash_records(self) -> list[str]:
-        return [json.dumps({k: r.get(k) for k in ("event", "actor", "name", "error", "exit_code")
-                            if r.get(k) is not None})[:600]
-                for r in self.log.poll() if r.get("event") in CRASH_EVENTS]
-
-
-def start(model: str, log_path: Path, *overrides: str, ready_s: float = 30.0) -> Graph:
-    started = start_graph(f"model.builtin={model}", f"log.file={log_path}", "log.format=json",
-                          *overrides)
-    graph = Graph(started, LogTail(log_path))
-    deadline = time.monotonic() + ready_s
-    while len(graph.pids()) < len(ACTORS) and time.monotonic() < deadline:
-        time.sleep(0.1)  # the ready line comes before every actor.ready record is written
-    return graph
-
+from launch.bench_fuzz_graph import Graph, start
+from launch.benchgraph import alive, stop_graph
 
 class Job:
     def __init__(self, args: argparse.Namespace):
@@ -199,7 +104,7 @@ class Job:
     def inputs(self) -> tuple[frames.Frames, bodies.Bodies]:
         from actors.model_runner.builtin import ensure_builtin
         from actors.model_runner.loading import read_model_info
-        from actors.tokenizer.loading import load_tokenizer
+        from actors.text_tokenizer import load_tokenizer
 
         path = str(ensure_builtin(self.args.model, progress=False))
         info, tokenizer = read_model_info(path), load_tokenizer(path)

@@ -3,6 +3,7 @@ reading its ready line, and stopping it (or any launcher-like process) cleanly."
 
 from __future__ import annotations
 
+import os
 import re
 import signal
 import subprocess
@@ -44,3 +45,15 @@ def stop_graph(proc: subprocess.Popen, timeout: float = 60) -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+def alive(pid: int) -> bool:
+    """Running, and not a zombie waiting to be reaped."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        try:
+            os.kill(pid, 0)
+            return True
+        except OSError:
+            return False

@@ -29,7 +29,7 @@ import numpy as np
 from mlx.utils import tree_flatten
 from tqdm import tqdm
 
-from actors.tokenizer.qwen_bpe import VOCABS, write_tokenizer
+from actors.qwen_bpe import VOCABS, write_tokenizer
 
 # Bump when the build itself changes (init rules, file layout): every cached model then rebuilds.
 BUILD_VERSION = 2

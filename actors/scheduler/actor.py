@@ -17,7 +17,7 @@ from actors.scheduler.core import Outputs, Scheduler
 from actors.scheduler.layers import plan_prefix
 from actors.shell import Shell, run_actor
 from actors.sizing import kv_capacity, state_capacity
-from actors.tokenizer.loading import load_decoder
+from actors.text_tokenizer import load_decoder
 from protocol import messages as m
 from protocol.codec import unpack_ids
 

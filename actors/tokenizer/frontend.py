@@ -79,7 +79,7 @@ class Frontend:
             case m.AbortRequest():
                 return [], self.abort(identity, msg.req_id, "request.client_abort")
             case m.GenerateRequest():
-                return self.submit(identity, msg, now, checked=True)
+                return self.submit(identity, msg, now)
 
     def _reject(self, identity: bytes, req_id: str, message: str, code: int = 400,
                 peer: str = "") -> tuple[list[Reply], list[bytes]]:
@@ -103,13 +103,12 @@ class Frontend:
         self.log.info(event, rid=rid, req_id=req_id)
         return [encode(m.Abort(rid=rid))]
 
-    def submit(self, identity: bytes, req: m.GenerateRequest, now: float, peer: str = "",
-               checked: bool = False) -> tuple[list[Reply], list[bytes]]:
+    def submit(self, identity: bytes, req: m.GenerateRequest, now: float,
+               peer: str = "") -> tuple[list[Reply], list[bytes]]:
         """A decoded request from any front end (ZMQ, HTTP) -> a refusal, or the encoded
-        TokenizedRequest of a request now open. `checked`: the limits were checked already."""
+        TokenizedRequest of a request now open."""
         try:
-            if not checked:
-                check_request(req, self.limits)
+            check_request(req, self.limits)
             return self._open(identity, req, now)
         except RequestError as e:
             return self._reject(identity, req.req_id, e.message, e.code, peer)

@@ -48,7 +48,8 @@ def describe(exc: BaseException, limits: LimitsConfig) -> str:
 
 
 def decode_frame(payload: bytes, limits: LimitsConfig) -> m.GenerateRequest | m.AbortRequest:
-    """One ZMQ client frame -> a typed, checked message."""
+    """One ZMQ client frame -> a typed message (the limits of a GenerateRequest are checked
+    by Frontend.submit, where both APIs meet)."""
     if len(payload) > limits.max_frame_bytes:
         raise RequestError(f"frame of {len(payload)} bytes is over limits.max_frame_bytes "
                            f"({limits.max_frame_bytes})")
@@ -56,9 +57,7 @@ def decode_frame(payload: bytes, limits: LimitsConfig) -> m.GenerateRequest | m.
         msg = _client_decoder.decode(payload)
     except Exception as e:  # every decoder failure is the frame's problem
         raise RequestError(describe(e, limits)) from None
-    if isinstance(msg, m.GenerateRequest):
-        check_request(msg, limits)
-    else:
+    if isinstance(msg, m.AbortRequest):  # a GenerateRequest is checked where both APIs meet
         _check_strings([("req_id", msg.req_id)], limits)
     return msg
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import atexit
 import json
-import os
 import re
 import signal
 import subprocess
@@ -13,7 +12,7 @@ import threading
 import time
 from pathlib import Path
 
-from launch.benchgraph import stop_graph
+from launch.benchgraph import alive, stop_graph
 
 ROOT = Path(__file__).resolve().parents[2]
 _LAUNCHED: list[subprocess.Popen] = []
@@ -25,18 +24,6 @@ def _kill_leftovers() -> None:
     (SIGINT first, so the launcher takes its actors down, then SIGKILL)."""
     for proc in _LAUNCHED:
         stop_graph(proc, timeout=30)
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    # A zombie has exited: it only waits for its parent to reap it.
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
-    except OSError:
-        return True
 
 
 class Graph:

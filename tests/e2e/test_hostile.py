@@ -8,7 +8,6 @@ import math
 import random
 import signal
 import threading
-import time
 
 import json
 import urllib.error

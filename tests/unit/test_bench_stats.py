@@ -8,7 +8,7 @@ import math
 import pytest
 
 from actors.model_runner.builtin import ensure_builtin
-from actors.tokenizer.loading import load_tokenizer
+from actors.text_tokenizer import load_tokenizer
 from launch.bench_load import PromptMaker, Sample, pct, steady_decode_rate, summarize
 
 

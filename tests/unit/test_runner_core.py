@@ -2,7 +2,6 @@
 requests joining and leaving the batch at different steps still get mlx-lm's greedy tokens,
 for the dense (qwen3) and the hybrid (qwen3_5) model."""
 
-from collections import deque
 
 import pytest
 
@@ -13,6 +12,7 @@ from actors.model_runner.runner import ModelRunner, StepError
 from actors.scheduler.core import Scheduler
 from protocol import messages as m
 from tests.e2e.oracle import Oracle
+from tests.unit.drive import drive
 
 PROMPTS = ["Hello world", "中文的自然语言处理", "def f(x):\n    return", "🎉🚀 emoji",
            "The quick brown fox jumps over the lazy dog. " * 20]
@@ -34,25 +34,7 @@ def run(path, info, arrivals, max_rows=3, depth=1, kv_slots=1 << 16, chunk=16, r
                       context_length=info.context_length, eos_ids=info.eos_ids,
                       output_reserve=reserve, prefix_cache=prefix, state_slots=states)
     runner = ModelRunner(load_model(path), max_rows, kv_slots=kv_slots, state_slots=states)
-    tokens, finished, results = {}, {}, deque()
-    sched.finished = finished
-    for tick in range(2000):
-        for rid, ids, n in arrivals.get(tick, []):
-            sched.add(rid, ids, m.SamplingParams(max_new_tokens=n))
-        while len(sched.in_flight) < depth and (batch := sched.schedule()) is not None:
-            results.append(runner.step(batch))
-        if not results:
-            if sched.idle and tick > max(arrivals):
-                break
-            continue
-        out = sched.on_result(results.popleft())
-        for rid, toks in out.tokens.items():
-            tokens.setdefault(rid, []).extend(toks)
-        for fin in out.finished:
-            assert fin.rid not in finished
-            finished[fin.rid] = fin
-    assert not any(sched.leaks().values()), sched.leaks()
-    assert set(finished) == {rid for reqs in arrivals.values() for rid, _, _ in reqs}
+    tokens, sched.finished, _ = drive(sched, runner, arrivals, depth, ticks=2000)
     return tokens, sched
 
 

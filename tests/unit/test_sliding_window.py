@@ -4,7 +4,6 @@ the scheduler actor builds it from the runner's layer kinds (prefix cache asked 
 off): prompts several windows long, prefilled in chunks beside running decodes, rows joining
 and leaving the batch, n choices of one prompt. Greedy tokens are mlx-lm's; no KV op is sent."""
 
-from collections import deque
 
 import pytest
 
@@ -13,8 +12,8 @@ from actors.model_runner.loading import load_model, read_model_info
 from actors.model_runner.runner import ModelRunner
 from actors.scheduler.core import Scheduler
 from actors.scheduler.layers import plan_prefix
-from protocol import messages as m
 from tests.e2e.oracle import Oracle
+from tests.unit.drive import drive
 
 WINDOW = 32
 
@@ -32,25 +31,8 @@ def serve(path, info, arrivals, depth, chunk, max_rows=4):
     sched = Scheduler(max_running=max_rows, chunked_prefill_size=chunk, kv_slots=1 << 14,
                       context_length=info.context_length, eos_ids=info.eos_ids,
                       prefix_cache=plan.prefix, share_groups=plan.share_groups)
-    tokens, finished, results, batches = {}, {}, deque(), []
-    for tick in range(3000):
-        for rid, ids, n, group in arrivals.get(tick, []):
-            sched.add(rid, ids, m.SamplingParams(max_new_tokens=n), group=group)
-        while len(sched.in_flight) < depth and (batch := sched.schedule()) is not None:
-            batches.append(batch)
-            results.append(runner.step(batch))
-        if not results:
-            if sched.idle and tick > max(arrivals):
-                break
-            continue
-        out = sched.on_result(results.popleft())
-        for rid, toks in out.tokens.items():
-            tokens.setdefault(rid, []).extend(toks)
-        for fin in out.finished:
-            assert fin.reason == "length", fin
-            finished[fin.rid] = fin
-    assert set(finished) == {a[0] for reqs in arrivals.values() for a in reqs}
-    assert not any(sched.leaks().values()), sched.leaks()
+    tokens, finished, batches = drive(sched, runner, arrivals, depth)
+    assert all(fin.reason == "length" for fin in finished.values()), finished
     return tokens, batches
 
 

@@ -1,5 +1,7 @@
-"""Loading the model directory's tokenizer: tokenizer.json itself (the Rust `tokenizers`
-library) for encode/decode on the hot path, the HF tokenizer for chat templates."""
+"""Loading the model directory's tokenizer, shared by the actors (the tokenizer and the
+detokenizer encode and decode; the scheduler decodes output tails for stop strings):
+tokenizer.json itself (the Rust `tokenizers` library) for encode/decode on the hot path, the HF
+tokenizer for chat templates."""
 
 from __future__ import annotations
 
