@@ -24,20 +24,8 @@ from actors.logs import configure_logging, get_logger
 from protocol import messages as m
 from protocol.codec import decoder, encode
 from protocol.config import Config
+from models.info import ModelInfo
 from protocol.transport import Addresses, pull_socket, push_socket
-
-
-class ModelInfo(msgspec.Struct, frozen=True):
-    """Facts about the served model that the launcher reads once and hands to every actor."""
-
-    path: str
-    name: str
-    context_length: int
-    eos_ids: list[int]
-    vocab_size: int
-    model_type: str
-    kv_bytes_per_token: int = 0  # KV memory one token takes across the attention layers
-    state_layers: int = 0  # linear-attention layers (hybrid models) keeping a recurrent state
 
 
 class Shell:

@@ -128,7 +128,7 @@ def bare_forward(model_dir: str, args: argparse.Namespace) -> dict[str, Any]:
 def resolve_model(args: argparse.Namespace) -> str:
     if args.model_path:
         return str(Path(args.model_path).expanduser())
-    from actors.model_runner.builtin import ensure_builtin
+    from models.builtin import ensure_builtin
 
     return str(ensure_builtin(args.model, progress=True))
 
@@ -161,9 +161,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from actors.model_runner import blas
-    from actors.model_runner.loading import read_model_info
-    from actors.text_tokenizer import load_tokenizer
+    from actors.model_runner.cpu import blas
+    from models.info import read_model_info
+    from models.tokenizer import load_tokenizer
 
     blas.find(args.blas)
     model_dir = resolve_model(args)

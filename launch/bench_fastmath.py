@@ -1,4 +1,4 @@
-"""The NumPy softmax and SiLU (actors/model_runner/fastmath.py) against MLX's own, on whole
+"""The NumPy softmax and SiLU (actors/model_runner/cpu/fastmath.py) against MLX's own, on whole
 prefills and decode steps of a model (bench_forward's loop; same greedy tokens asserted).
 Both sides use the skinny matmuls, as the runner does: only fastmath differs.
 
@@ -11,12 +11,13 @@ import argparse
 import statistics
 import sys
 
-from actors.model_runner import blas
+from actors.model_runner.cpu import blas
 
 
 def compare(model_path: str, lengths: list[int], batches: list[int], steps: int = 24) -> None:
-    from actors.model_runner import fastmath, skinny
-    from actors.model_runner.loading import load_model, read_model_info
+    from actors.model_runner.cpu import fastmath, skinny
+    from actors.model_runner.loading import load_model
+from models.info import read_model_info
     from launch.bench_forward import make_prompts, run_batch
 
     model = load_model(model_path)

@@ -26,7 +26,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from actors.model_runner import blas  # imports nothing heavy: mlx must come after blas.load()
+from actors.model_runner.cpu import blas  # imports nothing heavy: mlx must come after blas.load()
 
 
 @dataclass
@@ -86,7 +86,8 @@ def measure(model_path: str, batch_sizes: Sequence[int], prompt_tokens: int,
         raise ValueError("need prompt_tokens >= 1 and output_tokens >= 2")
     import mlx.core as mx
 
-    from actors.model_runner.loading import load_model, read_model_info
+    from actors.model_runner.loading import load_model
+from models.info import read_model_info
 
     vocab = read_model_info(model_path).vocab_size
     if vocab <= 1000:

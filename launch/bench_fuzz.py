@@ -102,9 +102,9 @@ class Job:
     # -- phases ---------------------------------------------------------------------------
 
     def inputs(self) -> tuple[frames.Frames, bodies.Bodies]:
-        from actors.model_runner.builtin import ensure_builtin
-        from actors.model_runner.loading import read_model_info
-        from actors.text_tokenizer import load_tokenizer
+        from models.builtin import ensure_builtin
+        from models.info import read_model_info
+        from models.tokenizer import load_tokenizer
 
         path = str(ensure_builtin(self.args.model, progress=False))
         info, tokenizer = read_model_info(path), load_tokenizer(path)

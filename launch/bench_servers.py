@@ -17,7 +17,7 @@ from launch.bench_load import Target
 from launch.benchgraph import ROOT, start_graph, stop_graph
 
 # mlx_lm.server in a process that loaded the BLAS first (blas.load must precede mlx).
-_MLX_LM = ("import sys; from actors.model_runner import blas; blas.load(sys.argv.pop(1)); "
+_MLX_LM = ("import sys; from actors.model_runner.cpu import blas; blas.load(sys.argv.pop(1)); "
            "import runpy; sys.argv[0] = 'mlx_lm.server'; "
            "runpy.run_module('mlx_lm.server', run_name='__main__')")
 

@@ -1,4 +1,4 @@
-"""The skinny-matmul path (actors/model_runner/skinny.py) against MLX's own x @ W.T, on the
+"""The skinny-matmul path (actors/model_runner/cpu/skinny.py) against MLX's own x @ W.T, on the
 shapes of a model's linear layers and of a tied LM head, for 1-128 rows, and on whole decode
 steps of a model (same tokens asserted).
 
@@ -11,7 +11,7 @@ import argparse
 import sys
 import time
 
-from actors.model_runner import blas
+from actors.model_runner.cpu import blas
 
 
 def _median_ms(f, reps: int) -> float:
@@ -46,8 +46,9 @@ def decode(model_path: str, batches: list[int], steps: int = 40) -> None:
     """Whole decode steps (bench_forward's loop) with and without the skinny path."""
     import statistics
 
-    from actors.model_runner import skinny
-    from actors.model_runner.loading import load_model, read_model_info
+    from actors.model_runner.cpu import skinny
+    from actors.model_runner.loading import load_model
+from models.info import read_model_info
     from launch.bench_forward import make_prompts, run_batch
 
     plain, fast = load_model(model_path), load_model(model_path)

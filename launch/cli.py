@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from actors.logs import configure_logging, get_logger
-from actors.shell import ModelInfo
+from models.info import ModelInfo
 from protocol.config import Config, ConfigError, load_config
 from protocol.transport import derive_addresses
 
@@ -17,7 +17,7 @@ from protocol.transport import derive_addresses
 def resolve_model(cfg: Config, progress: bool = True) -> ModelInfo:
     """The model directory every actor loads: `model.path`, or the built-in model, built and
     cached on first use."""
-    from actors.model_runner.loading import read_model_info
+    from models.info import read_model_info
 
     if cfg.model.path:
         path = Path(cfg.model.path).expanduser()
@@ -25,7 +25,7 @@ def resolve_model(cfg: Config, progress: bool = True) -> ModelInfo:
             raise ConfigError(f"model.path {str(path)!r} is not a directory")
         name = path.name
     else:
-        from actors.model_runner.builtin import ensure_builtin
+        from models.builtin import ensure_builtin
 
         cache = Path(cfg.model.cache_dir).expanduser() if cfg.model.cache_dir else None
         path = ensure_builtin(cfg.model.builtin, cache_dir=cache, progress=progress)
@@ -51,9 +51,9 @@ def main(argv: list[str] | None = None) -> int:
     configure_logging(cfg.log, "launcher")
     log = get_logger()
     try:
-        from actors.model_runner import blas
+        from actors.model_runner.entry import preflight
 
-        blas.find(cfg.runtime.blas)  # a BLAS asked for by name must be here
+        preflight(cfg)  # a BLAS asked for by name must be here
         model = resolve_model(cfg)
     except (ConfigError, OSError, ValueError) as e:
         print(f"launch: {e}", file=sys.stderr)

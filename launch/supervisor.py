@@ -20,7 +20,7 @@ import zmq
 import zmq.asyncio
 
 from actors.logs import get_logger
-from actors.shell import ModelInfo
+from models.info import ModelInfo
 from protocol import messages as m
 from protocol.codec import decoder, encode
 from protocol.config import Config

@@ -66,10 +66,10 @@ class RuntimeConfig(Section):
     # 10-20x slower in float32. macOS always uses MLX's own (Accelerate, Metal).
     blas: Literal["auto", "mkl", "openblas", "bundled"] = "auto"
     # CPU only: decode-shaped matmuls (x @ W.T for 2-128 rows) computed as (W @ x.T).T, which
-    # the BLAS runs 1.2-2x faster (actors/model_runner/skinny.py).
+    # the BLAS runs 1.2-2x faster (actors/model_runner/cpu/skinny.py).
     skinny_matmul: bool = True
     # CPU only: the attention softmax and the MLP's SiLU of large (prefill) shapes computed by
-    # NumPy, whose exp is vectorized on x86 where MLX's is not (actors/model_runner/fastmath.py).
+    # NumPy, whose exp is vectorized on x86 where MLX's is not (actors/model_runner/cpu/fastmath.py).
     fast_math: bool = True
 
 

@@ -8,6 +8,7 @@ per field, token ids as int32 bytes.
 
 from __future__ import annotations
 
+from enum import IntEnum
 from typing import Annotated, Any, Union
 
 import msgspec
@@ -187,17 +188,23 @@ class Shutdown(Wire, tag=_tag("Shutdown")):
     drain: bool = False
 
 
-# Deferred memory ops, decided by the scheduler, applied by the runner at the start of the
-# forward they ride with, in list order (DESIGN section 5).
-OP_CLEAR = 0  # state slot `dst` starts from zeros (a request with no usable prefix)
-OP_COPY = 1  # state `src` -> `dst`: a prefix hit copies the node's snapshot (the node keeps it)
-OP_SNAPSHOT = 2  # live state `src` -> node slot `dst`, at a chunk boundary
-OP_KV_SAVE = 3  # row `dst`'s KV at positions [start, start + n) -> the n pool `slots`
-OP_KV_LOAD = 4  # row `dst` starts a new prompt whose first n positions are pool `slots`
+class OpKind(IntEnum):
+    """Deferred memory ops, decided by the scheduler (actors/scheduler/ops.py), applied by the
+    runner (actors/model_runner/storage.py) at the start of the forward they ride with, in list
+    order (DESIGN section 5). The value is the wire format: never renumber."""
+
+    CLEAR = 0  # state slot `dst` starts from zeros (a request with no usable prefix)
+    COPY = 1  # state `src` -> `dst`: a prefix hit copies the node's snapshot (the node keeps it)
+    SNAPSHOT = 2  # live state `src` -> node slot `dst`, at a chunk boundary
+    KV_SAVE = 3  # row `dst`'s KV at positions [start, start + n) -> the n pool `slots`
+    KV_LOAD = 4  # row `dst` starts a new prompt whose first n positions are pool `slots`
+    # Row `dst` gives its live state slot `src` to the tree as the node's snapshot, no copy:
+    # the runner stops writing the row's state through to it.
+    DONATE = 5
 
 
 class Op(Plain):
-    kind: int
+    kind: OpKind
     src: int = 0
     dst: int = 0
     start: int = 0

@@ -3,7 +3,7 @@ from pathlib import Path
 
 import pytest
 
-from actors.model_runner import blas
+from actors.model_runner.cpu import blas
 
 # The oracle (mlx_lm.generate in this process) and the servers' runners use the same BLAS,
 # so their float32 sums are done by the same kernels. Before anything imports mlx.

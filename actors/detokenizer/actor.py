@@ -5,7 +5,7 @@ from __future__ import annotations
 from actors.detokenizer.core import Detokenizer
 from actors.detokenizer.stops import StopTrimmer
 from actors.shell import Shell, run_actor
-from actors.text_tokenizer import load_tokenizer
+from models.tokenizer import load_tokenizer
 from protocol import messages as m
 from protocol.codec import split_counts, unpack_ids
 

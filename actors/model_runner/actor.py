@@ -12,11 +12,11 @@ import traceback
 
 import mlx.core as mx
 
-from actors.model_runner import blas
+from actors.model_runner.cpu import blas
 from actors.model_runner.loading import load_model
 from actors.model_runner.runner import Launched, ModelRunner
 from actors.shell import Shell, run_actor
-from actors.sizing import kv_capacity, state_capacity
+from models.sizing import kv_capacity, state_capacity
 from protocol import messages as m
 
 _STOP = object()

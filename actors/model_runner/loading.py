@@ -1,15 +1,12 @@
-"""Reading a local mlx-lm model directory: the model itself (runner) and the facts every actor
-needs about it (launcher)."""
+"""Loading the served model's weights onto the MLX thread (the runner only; what every actor
+knows about the model without MLX is models/info.py)."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
-
-from actors.shell import ModelInfo
 
 
 def load_model(path: str) -> nn.Module:
@@ -18,63 +15,3 @@ def load_model(path: str) -> nn.Module:
     model, _ = mlx_lm_load_model(Path(path))
     mx.eval(model.parameters())
     return model
-
-
-def _ids(value) -> list[int]:
-    if value is None:
-        return []
-    return [value] if isinstance(value, int) else [int(v) for v in value]
-
-
-def read_model_info(path: str, name: str = "", context_length: int = 0) -> ModelInfo:
-    """Context length, EOS ids and vocab size from config.json, generation_config.json and the
-    tokenizer's eos token, so every actor agrees on them without loading the model."""
-    folder = Path(path)
-    if not (folder / "config.json").is_file():
-        raise FileNotFoundError(f"{folder} is not an mlx-lm model directory (no config.json)")
-    config = json.loads((folder / "config.json").read_text())
-    text = config.get("text_config", {})  # multimodal configs nest the language model's keys
-    eos = _ids(config.get("eos_token_id", text.get("eos_token_id")))
-    gen = folder / "generation_config.json"
-    if gen.is_file():
-        eos += _ids(json.loads(gen.read_text()).get("eos_token_id"))
-    tok_cfg = folder / "tokenizer_config.json"
-    tok_json = folder / "tokenizer.json"
-    if tok_cfg.is_file() and tok_json.is_file():
-        eos_token = json.loads(tok_cfg.read_text()).get("eos_token")
-        if isinstance(eos_token, dict):
-            eos_token = eos_token.get("content")
-        for added in json.loads(tok_json.read_text()).get("added_tokens", []):
-            if added.get("content") == eos_token:
-                eos.append(int(added["id"]))
-    max_pos = config.get("max_position_embeddings", text.get("max_position_embeddings", 4096))
-    get = lambda key, default=None: config.get(key, text.get(key, default))  # noqa: E731
-    vocab = config.get("vocab_size", text.get("vocab_size", 0))
-    return ModelInfo(path=str(folder), name=name or folder.name,
-                     context_length=context_length or int(max_pos),
-                     eos_ids=sorted(set(eos)), vocab_size=int(vocab),
-                     model_type=config.get("model_type", ""),
-                     kv_bytes_per_token=_kv_bytes_per_token(get),
-                     state_layers=_state_layers(get))
-
-
-def _state_layers(get) -> int:
-    layers, interval = int(get("num_hidden_layers", 0)), get("full_attention_interval")
-    return sum(1 for i in range(layers) if (i + 1) % int(interval) != 0) if interval else 0
-
-
-_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
-
-
-def _kv_bytes_per_token(get) -> int:
-    """K and V of one token in every softmax-attention layer. Hybrid models (a full-attention
-    layer every `full_attention_interval`) keep a fixed-size state in the other layers."""
-    layers = int(get("num_hidden_layers", 0))
-    interval = get("full_attention_interval")
-    if interval:
-        layers = sum(1 for i in range(layers) if (i + 1) % int(interval) == 0)
-    heads = int(get("num_key_value_heads") or get("num_attention_heads", 0))
-    head_dim = get("head_dim") or int(get("hidden_size", 0)) // max(1, int(get(
-        "num_attention_heads", 1)))
-    width = _DTYPE_BYTES.get(str(get("torch_dtype") or get("dtype") or "float16"), 2)
-    return 2 * layers * heads * int(head_dim) * width

@@ -28,8 +28,8 @@ from mlx_lm.models.cache import make_prompt_cache
 from protocol import messages as m
 from protocol.codec import unpack_ids
 from actors.model_runner.layers import classify
-from actors.model_runner.memory import KvPool, StatePool
-from actors.model_runner import fastmath, head, skinny
+from actors.model_runner.storage import KvPool, StatePool
+from actors.model_runner.cpu import fastmath, head, skinny
 from actors.model_runner.sampling import Pending, RowParams, Sampler
 
 
@@ -185,18 +185,23 @@ class ModelRunner:
     # -- ops -----------------------------------------------------------------------------------
 
     def _apply(self, op: m.Op) -> None:
-        if op.kind == m.OP_CLEAR:
+        if op.kind == m.OpKind.CLEAR:
             self._need(self.states, "state").clear(op.dst)
-        elif op.kind in (m.OP_COPY, m.OP_SNAPSHOT):
+        elif op.kind in (m.OpKind.COPY, m.OpKind.SNAPSHOT):
             self._need(self.states, "state").copy(op.src, op.dst)
-        elif op.kind == m.OP_KV_SAVE:
+        elif op.kind == m.OpKind.KV_SAVE:
             self._kv_op_allowed("save")
             self._save_kv(op.dst, op.start, unpack_ids(op.slots))
-        elif op.kind == m.OP_KV_LOAD:
+        elif op.kind == m.OpKind.KV_LOAD:
             self._kv_op_allowed("load")
             # Used when the row's first chunk runs in this step: the row may first be released
             # from its previous request below.
             self.pending_load[op.dst] = unpack_ids(op.slots)
+        elif op.kind == m.OpKind.DONATE:
+            if self.row_state.get(op.dst) != op.src:
+                raise StepError(f"row {op.dst} donates state slot {op.src}, but its live state "
+                                f"is {self.row_state.get(op.dst)}")
+            del self.row_state[op.dst]
         else:
             raise StepError(f"unknown op kind {op.kind}")
 

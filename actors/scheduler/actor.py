@@ -14,10 +14,10 @@ from __future__ import annotations
 import time
 
 from actors.scheduler.core import Outputs, Scheduler
-from actors.scheduler.layers import plan_prefix
+from actors.scheduler.prefix_plan import plan_prefix
 from actors.shell import Shell, run_actor
-from actors.sizing import kv_capacity, state_capacity
-from actors.text_tokenizer import load_decoder
+from models.sizing import kv_capacity, state_capacity
+from models.tokenizer import load_decoder
 from protocol import messages as m
 from protocol.codec import unpack_ids
 

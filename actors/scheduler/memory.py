@@ -57,13 +57,13 @@ class Memory:
         if cached:
             self.hits += 1
             self.hit_tokens += cached
-            self.ops.append(m.Op(kind=m.OP_KV_LOAD, dst=row, slots=pack_ids(match.slots)))
+            self.ops.append(m.Op(kind=m.OpKind.KV_LOAD, dst=row, slots=pack_ids(match.slots)))
         if self.states is not None:
             req.state = self.states.alloc(1)[0]
             if cached:
-                self.ops.append(m.Op(kind=m.OP_COPY, src=match.state, dst=req.state))
+                self.ops.append(m.Op(kind=m.OpKind.COPY, src=match.state, dst=req.state))
             else:
-                self.ops.append(m.Op(kind=m.OP_CLEAR, dst=req.state))
+                self.ops.append(m.Op(kind=m.OpKind.CLEAR, dst=req.state))
         return True
 
     def _uses_tree(self, req: Any) -> bool:
@@ -118,14 +118,15 @@ class Memory:
             end = start
             while end < n and kept[end] == req.slots[end]:
                 end += 1
-            self.ops.append(m.Op(kind=m.OP_KV_SAVE, dst=row, start=start,
+            self.ops.append(m.Op(kind=m.OpKind.KV_SAVE, dst=row, start=start,
                                  slots=pack_ids(kept[start:end])))
             self.inserted_tokens += end - start
             start = end
         req.slots[:n] = kept
         if state is not None and state_mode == SNAPSHOT and node.state == state:
-            self.ops.append(m.Op(kind=m.OP_SNAPSHOT, src=req.state, dst=state))
+            self.ops.append(m.Op(kind=m.OpKind.SNAPSHOT, src=req.state, dst=state))
         if state is not None and state_mode == DONATE:
+            self.ops.append(m.Op(kind=m.OpKind.DONATE, src=state, dst=row))
             req.state = -1  # the tree kept it, or freed it because it had one already
         self.tree.lock(node)
         if req.lock is not None:

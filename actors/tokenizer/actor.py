@@ -13,7 +13,7 @@ from zmq.utils.monitor import recv_monitor_message
 from actors.shell import Shell, run_actor
 from actors.tokenizer.frontend import Frontend, Reply
 from actors.tokenizer.http_front import HTTP_CLIENT, PROBE_PREFIX, HttpFront
-from actors.text_tokenizer import load_tokenizer
+from models.tokenizer import load_tokenizer
 from actors.tokenizer.metrics import Metrics
 from protocol import messages as m
 from protocol.codec import encode

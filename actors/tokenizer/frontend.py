@@ -18,7 +18,7 @@ from typing import Any
 import msgspec
 import structlog
 
-from actors.shell import ModelInfo
+from models.info import ModelInfo
 from actors.tokenizer.intake import RequestError, check_request, decode_frame
 from protocol import messages as m
 from protocol.codec import encode, pack_ids, split_counts, unpack_ids

@@ -1,6 +1,6 @@
 import pytest
 
-from actors.model_runner.builtin import ensure_builtin
+from models.builtin import ensure_builtin
 from tests.e2e.graph import Graph
 
 

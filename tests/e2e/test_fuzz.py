@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from actors.model_runner.builtin import ensure_builtin
+from models.builtin import ensure_builtin
 from launch import bench_fuzz
 
 pytestmark = pytest.mark.slow

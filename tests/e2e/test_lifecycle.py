@@ -12,7 +12,7 @@ import urllib.request
 
 import pytest
 
-from actors.model_runner.builtin import ensure_builtin
+from models.builtin import ensure_builtin
 from protocol import messages as m
 from protocol.client import Client, ServerError
 from tests.e2e.graph import Graph

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from actors.model_runner.builtin import ensure_builtin
+from models.builtin import ensure_builtin
 from protocol.client import AsyncClient, Client
 from tests.e2e.graph import Graph
 from tests.e2e.oracle import Oracle

@@ -9,7 +9,7 @@ import math
 import openai
 import pytest
 
-from actors.model_runner.builtin import ensure_builtin
+from models.builtin import ensure_builtin
 from protocol.client import AsyncClient
 from tests.e2e.oracle import Oracle
 

@@ -8,7 +8,7 @@ import asyncio
 
 import pytest
 
-from actors.model_runner.builtin import ensure_builtin
+from models.builtin import ensure_builtin
 from protocol import messages as m
 from protocol.client import AsyncClient
 from tests.e2e.graph import Graph

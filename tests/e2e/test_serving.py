@@ -11,7 +11,7 @@ import msgspec
 import pytest
 import zmq
 
-from actors.model_runner.builtin import ensure_builtin
+from models.builtin import ensure_builtin
 from protocol import messages as m
 from protocol.client import AsyncClient, Client, ServerError
 from tests.e2e.graph import ROOT, Graph

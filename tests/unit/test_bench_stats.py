@@ -7,8 +7,8 @@ import math
 
 import pytest
 
-from actors.model_runner.builtin import ensure_builtin
-from actors.text_tokenizer import load_tokenizer
+from models.builtin import ensure_builtin
+from models.tokenizer import load_tokenizer
 from launch.bench_load import PromptMaker, Sample, pct, steady_decode_rate, summarize
 
 

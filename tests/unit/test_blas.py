@@ -9,14 +9,14 @@ import sys
 
 import pytest
 
-from actors.model_runner import blas
+from actors.model_runner.cpu import blas
 from tests.e2e.graph import ROOT
 
 LINUX_X86 = sys.platform.startswith("linux") and os.uname().machine == "x86_64"
 
 MATMUL = """
 import sys
-from actors.model_runner import blas
+from actors.model_runner.cpu import blas
 print("loaded", blas.load(sys.argv[1]))
 import mlx.core as mx
 a = mx.ones((64, 64))
@@ -53,7 +53,7 @@ def test_bad_choices_are_named():
 
 
 def test_loading_after_mlx_is_refused():
-    code = ("import mlx.core\nfrom actors.model_runner import blas\n"
+    code = ("import mlx.core\nfrom actors.model_runner.cpu import blas\n"
             "try:\n    blas.load('auto')\nexcept RuntimeError as e:\n    print(e)\n")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
                          timeout=120)

@@ -12,7 +12,7 @@ import mlx.core as mx
 import pytest
 from mlx.utils import tree_flatten
 
-from actors.model_runner import builtin
+from models import builtin
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # every load below is local; never reach for the hub
 
@@ -93,7 +93,7 @@ def test_ensure_is_idempotent_and_leaves_no_scratch(loaded, model_cache):
 def test_concurrent_builds_agree_and_are_deterministic(loaded, tmp_path):
     """Two processes race to build into one empty cache; both get the same, reproducible directory."""
     code = (
-        "import sys; from actors.model_runner import builtin; "
+        "import sys; from models import builtin; "
         "print(builtin.ensure_builtin('qwen3-tiny', sys.argv[1], progress=False))"
     )
     command = [sys.executable, "-c", code, str(tmp_path)]

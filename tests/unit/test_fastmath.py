@@ -10,8 +10,8 @@ import pytest
 from mlx_lm.models import activations, base, qwen3, qwen3_next
 from mlx_lm.models.cache import make_prompt_cache
 
-from actors.model_runner import fastmath
-from actors.model_runner.builtin import ensure_builtin
+from actors.model_runner.cpu import fastmath
+from models.builtin import ensure_builtin
 from actors.model_runner.loading import load_model
 
 MASKS = {

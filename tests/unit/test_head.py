@@ -7,7 +7,7 @@ import mlx.nn as nn
 from mlx_lm.models import qwen3
 from mlx_lm.models.cache import make_prompt_cache
 
-from actors.model_runner import head
+from actors.model_runner.cpu import head
 
 
 def model(tied: bool) -> nn.Module:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from actors.shell import ModelInfo
+from models.info import ModelInfo
 from actors.tokenizer.frontend import Frontend
 from actors.tokenizer.intake import RequestError, check_value, decode_body, decode_frame
 from actors.tokenizer.openai_format import ChatBody

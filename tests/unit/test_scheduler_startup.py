@@ -9,8 +9,8 @@ import pytest
 import structlog
 from structlog.testing import capture_logs
 
-from actors.model_runner.builtin import ensure_builtin
-from actors.model_runner.loading import read_model_info
+from models.builtin import ensure_builtin
+from models.info import read_model_info
 from actors.scheduler.actor import SchedulerActor
 from protocol import messages as m
 from protocol.config import config_from_dict

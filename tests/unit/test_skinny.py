@@ -8,8 +8,8 @@ import mlx.nn as nn
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
-from actors.model_runner import skinny
-from actors.model_runner.builtin import ensure_builtin
+from actors.model_runner.cpu import skinny
+from models.builtin import ensure_builtin
 from actors.model_runner.loading import load_model
 
 

@@ -7,11 +7,12 @@ and leaving the batch, n choices of one prompt. Greedy tokens are mlx-lm's; no K
 
 import pytest
 
-from actors.model_runner.builtin import ensure_builtin
-from actors.model_runner.loading import load_model, read_model_info
+from models.builtin import ensure_builtin
+from actors.model_runner.loading import load_model
+from models.info import read_model_info
 from actors.model_runner.runner import ModelRunner
 from actors.scheduler.core import Scheduler
-from actors.scheduler.layers import plan_prefix
+from actors.scheduler.prefix_plan import plan_prefix
 from tests.e2e.oracle import Oracle
 from tests.unit.drive import drive
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from actors.shell import ModelInfo
+from models.info import ModelInfo
 from protocol.config import Config
 
 

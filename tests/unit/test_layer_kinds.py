@@ -1,17 +1,17 @@
 """Layer kinds at launch (runner: actors/model_runner/layers.py) and what the scheduler's radix
-tree may hold for them (actors/scheduler/layers.py)."""
+tree may hold for them (actors/scheduler/prefix_plan.py)."""
 
 import mlx.nn as nn
 import pytest
 from mlx_lm.models.cache import (ArraysCache, CacheList, ChunkedKVCache, ConcatenateKVCache,
                                  KVCache, QuantizedKVCache)
 
-from actors.model_runner.builtin import ensure_builtin
+from models.builtin import ensure_builtin
 from actors.model_runner.layers import classify
 from actors.model_runner.loading import load_model
 from actors.model_runner.runner import ModelRunner, StepError
 from actors.scheduler.core import Scheduler
-from actors.scheduler.layers import plan_prefix
+from actors.scheduler.prefix_plan import plan_prefix
 from protocol import messages as m
 from protocol.codec import pack_ids
 
@@ -85,7 +85,7 @@ def test_caches_that_do_not_follow_the_layers_are_refused(models):
 
 def test_kv_ops_on_a_sliding_window_model_are_refused(models):
     runner = ModelRunner(models["gemma3-tiny"], 2, kv_slots=64)
-    load = m.Op(kind=m.OP_KV_LOAD, dst=1, slots=pack_ids([0, 1, 2]))
+    load = m.Op(kind=m.OpKind.KV_LOAD, dst=1, slots=pack_ids([0, 1, 2]))
     batch = m.ForwardBatch(step=1, rows=[], input_lens=[], start_pos=[], future=[], sample=[],
                            input_ids=b"", ops=[load])
     with pytest.raises(StepError, match=r"layers \[0, 2\] \(sliding\) cannot be restored"):

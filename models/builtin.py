@@ -24,12 +24,10 @@ import uuid
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import mlx.core as mx
 import numpy as np
-from mlx.utils import tree_flatten
 from tqdm import tqdm
 
-from actors.qwen_bpe import VOCABS, write_tokenizer
+from models.qwen_bpe import VOCABS, write_tokenizer
 
 # Bump when the build itself changes (init rules, file layout): every cached model then rebuilds.
 BUILD_VERSION = 2
@@ -170,6 +168,9 @@ def model_config(name: str, spec: ModelSpec) -> dict:
 
 def weight_shapes(config: dict) -> dict[str, tuple[int, ...]]:
     """Parameter names and shapes, taken from mlx-lm's own model class so loading matches exactly."""
+    # MLX only to build: the launcher finds a cached built-in without loading it.
+    from mlx.utils import tree_flatten
+
     arch = importlib.import_module(f"mlx_lm.models.{config['model_type']}")
     # A copy, because mlx-lm's argument classes rewrite nested dicts (rope_parameters) in place.
     model = arch.Model(arch.ModelArgs.from_dict(copy.deepcopy(config)))  # lazy: nothing is computed
@@ -219,6 +220,8 @@ def init_weight(path: str, shape: tuple[int, ...], spec: ModelSpec, seed: int) -
 
 def build_model_dir(name: str, spec: ModelSpec, directory: Path, progress: bool = True) -> None:
     """Write config.json, model.safetensors and the tokenizer files of `spec` into `directory`."""
+    import mlx.core as mx
+
     directory.mkdir(parents=True)
     config = model_config(name, spec)
     shapes = weight_shapes(config)
