@@ -6,14 +6,15 @@ arrives the runner is already running step N+1; the scheduler processes N's resu
 N+2 while it does. Without overlap, one step at a time.
 
 At startup the scheduler waits for the runner's ModelLayers (what each layer of the loaded model
-keeps): the prefix cache it builds its core with depends on them (layers.py).
+keeps): the prefix cache it builds its core with depends on them (prefix_plan.py).
 """
 
 from __future__ import annotations
 
 import time
 
-from actors.scheduler.core import Outputs, Scheduler
+from actors.scheduler.core import Scheduler
+from actors.scheduler.outputs import Outputs
 from actors.scheduler.prefix_plan import plan_prefix
 from actors.shell import Shell, run_actor
 from models.sizing import kv_capacity, state_capacity
@@ -95,7 +96,7 @@ class SchedulerActor:
                     case m.Shutdown():
                         return
             msgs = []
-            while len(self.core.in_flight) < self.depth:
+            while len(self.core.futures) < self.depth:
                 batch = self.core.schedule()
                 if batch is None:
                     break

@@ -1,8 +1,7 @@
 """The scheduler's memory: KV slots, recurrent-state slots, the radix prefix tree, and the
-deferred ops that tell the runner what to do with its own memory (DESIGN section 5).
+deferred ops (ops.py) that tell the runner what to do with its own memory (DESIGN section 5).
 
-Every op goes into the next ForwardBatch, in the order decided here, and the runner applies it
-at the start of that forward, so no op races a step. What a request holds:
+What a request holds:
 - `slots[:tree_len]` belong to the tree (locked through `req.lock`), `slots[tree_len:]` are its
   own; `state` (hybrid models) is its live recurrent-state slot.
 """
@@ -11,12 +10,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from protocol import messages as m
-from protocol.codec import pack_ids
+from actors.scheduler.ops import OpQueue
 from actors.scheduler.pools import SlotPool
-from actors.scheduler.radix import RadixCache
-
-SNAPSHOT, DONATE, KV_ONLY = "snapshot", "donate", "kv-only"
+from actors.scheduler.radix import Match, RadixCache
+from actors.scheduler.request import Request
+from protocol.messages import OpKind
 
 
 class Memory:
@@ -29,19 +27,20 @@ class Memory:
         # share_groups False (layers the tree cannot restore): no tree, no KV op at all.
         self.prefix = prefix
         self.tree = RadixCache(self.slots, self.states) if prefix or share_groups else None
-        self.ops: list[m.Op] = []
+        self.ops = OpQueue()
         self.hits = self.hit_tokens = self.inserted_tokens = self.evicted_tokens = 0
 
     # -- admission ---------------------------------------------------------------------------
 
-    def admit(self, req: Any, row: int, reserve: int) -> bool:
+    def admit(self, req: Request, row: int, reserve: int) -> bool:
         """Find the request's cached prefix, make room for the rest plus `reserve`, and take
         its slots; False (nothing taken) if memory is short."""
         match = self._lock_match(req)
         if self.states is not None and not self._state_room():
             # The only snapshots left may be on this request's own path: give them up.
             self._unlock(match)
-            self.tree is not None and self.tree.evict_states(1)
+            if self.tree is not None:
+                self.tree.evict_states(1)
             if not self.states.available:
                 return False
             match = self._lock_match(req)
@@ -57,26 +56,26 @@ class Memory:
         if cached:
             self.hits += 1
             self.hit_tokens += cached
-            self.ops.append(m.Op(kind=m.OpKind.KV_LOAD, dst=row, slots=pack_ids(match.slots)))
+            self.ops.kv_load(row, match.slots)
         if self.states is not None:
             req.state = self.states.alloc(1)[0]
             if cached:
-                self.ops.append(m.Op(kind=m.OpKind.COPY, src=match.state, dst=req.state))
+                self.ops.copy(match.state, req.state)
             else:
-                self.ops.append(m.Op(kind=m.OpKind.CLEAR, dst=req.state))
+                self.ops.clear(req.state)
         return True
 
-    def _uses_tree(self, req: Any) -> bool:
+    def _uses_tree(self, req: Request) -> bool:
         return self.tree is not None and (self.prefix or bool(req.group))
 
-    def _lock_match(self, req: Any) -> Any:
+    def _lock_match(self, req: Request) -> Match | None:
         if not self._uses_tree(req):
             return None
         match = self.tree.match(req.fill[:-1], need_state=self.states is not None)
         self.tree.lock(match.node)  # before evicting: the match must survive it
         return match
 
-    def _unlock(self, match: Any) -> None:
+    def _unlock(self, match: Match | None) -> None:
         if match is not None:
             self.tree.unlock(match.node)
 
@@ -94,19 +93,20 @@ class Memory:
 
     # -- caching prefixes --------------------------------------------------------------------
 
-    def cache_prefix(self, req: Any, row: int, n: int, state_mode: str = SNAPSHOT) -> None:
+    def cache_prefix(self, req: Request, row: int, n: int,
+                     state_op: OpKind | None = OpKind.SNAPSHOT) -> None:
         """Hand the first n tokens' KV (and, hybrid, the state after them) to the tree.
         SNAPSHOT (a chunk boundary: the live state is after exactly n tokens when the next
         chunk's batch starts) copies the live state into a new slot; DONATE (the request ended
-        after exactly n tokens) gives the live slot itself, no copy; KV_ONLY caches no state.
+        after exactly n tokens) gives the live slot itself, no copy; None caches no state.
         KV is saved only where the tree kept our slots."""
         if not self._uses_tree(req) or n <= req.tree_len:
             return
         seq = (req.prompt + req.output)[:n]
         state = None
-        if self.states is not None and state_mode == DONATE:
+        if self.states is not None and state_op is OpKind.DONATE:
             state = req.state
-        elif self.states is not None and state_mode == SNAPSHOT and self._state_room():
+        elif self.states is not None and state_op is OpKind.SNAPSHOT and self._state_room():
             state = self.states.alloc(1)[0]
         node = self.tree.insert(seq, req.slots[:n], state=state)
         kept = self.tree.path_slots(node)
@@ -118,16 +118,17 @@ class Memory:
             end = start
             while end < n and kept[end] == req.slots[end]:
                 end += 1
-            self.ops.append(m.Op(kind=m.OpKind.KV_SAVE, dst=row, start=start,
-                                 slots=pack_ids(kept[start:end])))
+            self.ops.kv_save(row, start, kept[start:end])
             self.inserted_tokens += end - start
             start = end
         req.slots[:n] = kept
-        if state is not None and state_mode == SNAPSHOT and node.state == state:
-            self.ops.append(m.Op(kind=m.OpKind.SNAPSHOT, src=req.state, dst=state))
-        if state is not None and state_mode == DONATE:
-            self.ops.append(m.Op(kind=m.OpKind.DONATE, src=state, dst=row))
-            req.state = -1  # the tree kept it, or freed it because it had one already
+        if state is not None and state_op is OpKind.SNAPSHOT and node.state == state:
+            self.ops.snapshot(req.state, state)
+        if state is not None and state_op is OpKind.DONATE:
+            # The tree kept it, or freed it because it had one already: either way the row
+            # no longer owns it.
+            self.ops.donate(row, state)
+            req.state = -1
         self.tree.lock(node)
         if req.lock is not None:
             self.tree.unlock(req.lock)
@@ -135,7 +136,7 @@ class Memory:
 
     # -- release -----------------------------------------------------------------------------
 
-    def release(self, req: Any, row: int, keep: bool) -> None:
+    def release(self, req: Request, row: int, keep: bool) -> None:
         """No step in flight carries the request: cache what it computed (keep) and give back
         everything else."""
         # A step in flight when the request was aborted may have run on a token that was
@@ -143,7 +144,7 @@ class Memory:
         # (which has seen that token) is donated only if it matches them exactly.
         known = min(req.kv_len, len(req.prompt) + len(req.output))
         if keep and known:
-            self.cache_prefix(req, row, known, DONATE if known == req.kv_len else KV_ONLY)
+            self.cache_prefix(req, row, known, OpKind.DONATE if known == req.kv_len else None)
         own = req.slots[req.tree_len:]  # tree_len is 0 without the prefix cache
         if own:
             self.slots.free(own)
@@ -155,10 +156,6 @@ class Memory:
         if req.group and self.tree is not None and not self.prefix:
             # No cache across requests: drop what the group let go of.
             self.evicted_tokens += self.tree.evict(self.tree.cached_tokens)
-
-    def take_ops(self) -> list[m.Op]:
-        ops, self.ops = self.ops, []
-        return ops
 
     # -- accounting --------------------------------------------------------------------------
 

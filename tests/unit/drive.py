@@ -17,7 +17,7 @@ def drive(sched, runner, arrivals, depth=1, ticks=3000):
         for rid, ids, n, *group in arrivals.get(tick, []):
             sched.add(rid, ids, m.SamplingParams(max_new_tokens=n),
                       group=group[0] if group else "")
-        while len(sched.in_flight) < depth and (batch := sched.schedule()) is not None:
+        while len(sched.futures) < depth and (batch := sched.schedule()) is not None:
             batches.append(batch)
             results.append(runner.step(batch))
         if not results:

@@ -89,7 +89,7 @@ def test_abort_between_scheduling_and_execution_leaves_no_orphan_state_slot():
     second = s.schedule()  # holds a SNAPSHOT into a fresh node slot
     snap_dst = second.ops[-1].dst
     s.abort("a")
-    assert s.schedule() is None or not s.in_flight[-1][0].rows
+    assert s.schedule() is None or not s.futures.pinned()[-1][0].rows
     finish(s, first)
     finish(s, second)
     run_to_idle(s)

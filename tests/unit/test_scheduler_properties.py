@@ -16,6 +16,7 @@ from hypothesis import event, given, settings, strategies as st
 from protocol import messages as m
 from protocol.codec import unpack_ids
 from actors.scheduler.core import Scheduler
+from actors.scheduler.request import Phase
 
 EOS = 99
 
@@ -112,6 +113,12 @@ def check_invariants(s: Scheduler) -> None:
     tree = [x for n in s.memory.tree.walk() for x in n.slots] if s.memory.tree else []
     assert len(own + tree) == len(set(own + tree)), "a slot owned twice"
     assert set(own + tree) == s.slots.owned
+    for r in live:  # the counters of request.py hold together
+        assert r.tree_len <= r.filled <= len(r.fill) and len(r.output) <= r.sampled
+        if r.row:  # holding memory: one slot per position a built step writes
+            assert r.filled <= r.kv_len and len(r.slots) == max(len(r.fill), r.kv_len)
+        if r.phase is Phase.RUNNING and not r.aborted:  # what is missing is still in flight
+            assert r.sampled - len(r.output) <= r.inflight
     for r in live:  # a request's cached prefix is exactly its locked tree path
         if r.tree_len:
             assert r.lock is not None and s.memory.tree.path_slots(r.lock) == r.slots[:r.tree_len]
@@ -121,7 +128,7 @@ def check_invariants(s: Scheduler) -> None:
             if s.memory.tree else []
         assert len(states + held) == len(set(states + held)), "a state slot owned twice"
         assert set(states + held) == s.memory.states.owned
-    for batch, carried in s.in_flight:
+    for batch, carried in s.futures.pinned():
         assert set(batch.rows) <= s.rows.owned, "a row referenced in flight is free"
         for req in carried:
             assert req.inflight > 0 and set(req.slots) <= s.slots.owned
@@ -164,7 +171,7 @@ def test_any_sequence_keeps_the_invariants_and_answers_everyone_once(
             finished[fin.rid] = fin
 
     def top_up() -> None:
-        while len(s.in_flight) < depth and (batch := s.schedule()) is not None:
+        while len(s.futures) < depth and (batch := s.schedule()) is not None:
             results.append(runner.step(batch))
         collect(s.take())
         check_invariants(s)

@@ -1,0 +1,50 @@
+"""The scheduler's queue of deferred memory ops (DESIGN section 5; the vocabulary is
+protocol.messages.OpKind, applied by the runner in actors/model_runner/storage.py).
+
+Memory decisions are made here, on ids only; the runner carries them out at the start of the
+forward they ride with, in the order they were queued, so no op races a step. Everything queued
+since the last step goes into the next ForwardBatch.
+"""
+
+from __future__ import annotations
+
+from protocol import messages as m
+from protocol.codec import pack_ids
+
+Kind = m.OpKind
+
+
+class OpQueue:
+    def __init__(self):
+        self._ops: list[m.Op] = []
+
+    def __len__(self) -> int:
+        return len(self._ops)
+
+    def clear(self, state: int) -> None:
+        """A request with no usable prefix starts its recurrent state from zeros."""
+        self._ops.append(m.Op(kind=Kind.CLEAR, dst=state))
+
+    def copy(self, src: int, dst: int) -> None:
+        """A prefix hit starts from the node's snapshot; the node keeps it."""
+        self._ops.append(m.Op(kind=Kind.COPY, src=src, dst=dst))
+
+    def snapshot(self, live: int, node_slot: int) -> None:
+        """At a chunk boundary, the live state is kept for the radix node just inserted."""
+        self._ops.append(m.Op(kind=Kind.SNAPSHOT, src=live, dst=node_slot))
+
+    def donate(self, row: int, live: int) -> None:
+        """A request ended exactly at a cached prefix: its live slot becomes the node's, no copy."""
+        self._ops.append(m.Op(kind=Kind.DONATE, src=live, dst=row))
+
+    def kv_save(self, row: int, start: int, slots: list[int]) -> None:
+        """The row's KV at positions [start, start + len(slots)) goes to those pool slots."""
+        self._ops.append(m.Op(kind=Kind.KV_SAVE, dst=row, start=start, slots=pack_ids(slots)))
+
+    def kv_load(self, row: int, slots: list[int]) -> None:
+        """The row's next prompt starts with the cached prefix held in these pool slots."""
+        self._ops.append(m.Op(kind=Kind.KV_LOAD, dst=row, slots=pack_ids(slots)))
+
+    def take(self) -> list[m.Op]:
+        ops, self._ops = self._ops, []
+        return ops

@@ -1,0 +1,86 @@
+"""One request as the scheduler sees it, from arrival to release: a small state machine.
+
+    QUEUED --admit--> RUNNING --stop/length/abort/error--> DONE --no step in flight--> released
+       ^                 |
+       +---retract-------+   (out of memory: give back row and slots, recompute prompt + output)
+
+A request leaves the scheduler (`Scheduler.requests`) only when no built step carries it any
+more (`inflight == 0`, future_map.py): until then its row and KV slots may still be written.
+`aborted` and `retracting` mark a RUNNING request whose ending waits for its steps in flight.
+
+Counters, and what always holds between them (checked by tests/unit/test_scheduler_properties.py):
+- `fill`: what admission prefills (the prompt; prompt + output after a retraction).
+- `tree_len <= filled <= len(fill)`: the first `tree_len` positions are in the radix tree (the
+  cached prefix at admission, then each chunk as it is cached), `filled` positions are in built
+  prefill steps. `prefilling` while `filled < len(fill)`.
+- `kv_len`: positions whose KV built steps write: `filled`, plus one per decode row built.
+  `slots` holds one KV slot per position: `len(slots) == max(len(fill), kv_len)` (admission takes
+  the whole fill, each decode row one more); `slots[:tree_len]` belong to the tree.
+- `sampled`: output tokens received plus those built steps will sample; `len(output) <= sampled`,
+  the difference is what the steps in flight will bring. A row can decode (its input is a
+  future) once `sampled > 0`.
+- `inflight`: built steps not yet returned that carry the request (owned by FutureMap).
+- `cached`: prompt tokens reused at the first admission (reported; retractions do not change it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+from protocol import messages as m
+
+
+class Phase(Enum):
+    QUEUED = "queued"
+    RUNNING = "running"  # holds a row
+    DONE = "done"  # its Finish is out; released once no step in flight carries it
+
+
+@dataclass(eq=False)
+class Request:
+    rid: str
+    prompt: list[int]
+    params: m.SamplingParams
+    order: int  # arrival order: FIFO admission, newest retracted first
+    phase: Phase = Phase.QUEUED
+    row: int = 0
+    slots: list[int] = field(default_factory=list)  # KV slot per position, [:tree_len] cached
+    tree_len: int = 0
+    lock: object = None  # the radix node this request holds locked
+    state: int = -1  # live recurrent-state slot (hybrid models)
+    cached: int = 0
+    group: str = ""  # n choices of one prompt: prefilled once, shared through the cache
+    output: list[int] = field(default_factory=list)
+    fill: list[int] = field(default_factory=list)
+    filled: int = 0
+    kv_len: int = 0
+    sampled: int = 0
+    inflight: int = 0
+    aborted: bool = False
+    announced: bool = False  # the detokenizer has been told its stop strings
+    stop_str: str = ""
+    retracting: bool = False
+    retractions: int = 0
+    finish_reason: str = ""
+
+    @property
+    def prefilling(self) -> bool:
+        return self.filled < len(self.fill)
+
+    @property
+    def active(self) -> bool:
+        """Running and not on its way out: gets rows in the next step."""
+        return self.phase is Phase.RUNNING and not self.aborted and not self.retracting
+
+    @property
+    def left(self) -> int:
+        """Output tokens it may still produce."""
+        return self.params.max_new_tokens - len(self.output)
+
+    @property
+    def needs_history(self) -> bool:
+        """Penalties read the tokens so far: only then do they travel to the runner."""
+        p = self.params
+        return (p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0
+                or p.presence_penalty != 0.0)
