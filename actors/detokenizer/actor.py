@@ -24,8 +24,10 @@ def convert(core: Detokenizer, stops: dict[str, StopTrimmer], batch: m.TokenBatc
         text = emitted + tail if trimmer is None else trimmer.end(emitted, tail, fin.stop_str)
         if k >= 0:
             texts[k] = text
-        elif text:
-            rids.append(fin.rid); texts.append(text); counts.append(0)
+        elif text:  # text held back until the end, with no new token in this batch
+            rids.append(fin.rid)
+            texts.append(text)
+            counts.append(0)
     return m.TextBatch(rids=rids, texts=texts, counts=counts, token_ids=batch.token_ids,
                        finished=batch.finished, logprobs=batch.logprobs, top_ids=batch.top_ids,
                        top_logprobs=batch.top_logprobs, running=batch.running,
