@@ -8,13 +8,13 @@ import asyncio
 import queue
 import threading
 import time
-import traceback
+from dataclasses import asdict
 
 import mlx.core as mx
 
-from actors.model_runner.cpu import blas
 from actors.model_runner.loading import load_model
-from actors.model_runner.runner import Launched, ModelRunner
+from actors.model_runner.pipeline import Pipeline
+from actors.model_runner.runner import ModelRunner
 from actors.shell import Shell, run_actor
 from models.sizing import kv_capacity, state_capacity
 from protocol import messages as m
@@ -36,14 +36,14 @@ class MlxThread(threading.Thread):
         runner = ModelRunner(model, cfg.scheduler.max_running_requests,
                              kv_slots=kv_capacity(cfg, info),
                              state_slots=state_capacity(cfg, info), vocab_size=info.vocab_size,
-                             eos_ids=info.eos_ids, skinny_matmul=cfg.runtime.skinny_matmul,
-                             fast_math=cfg.runtime.fast_math)
+                             eos_ids=info.eos_ids, runtime=cfg.runtime)
         # The scheduler sized its state slots from config.json (ModelInfo.state_layers); the
         # runner found the layers in the model itself. Serving on a disagreement would resume
         # recurrent layers from nothing after a prefix hit: refuse to start instead.
-        if len(runner.linear) != info.state_layers:
+        linear = runner.layers.linear
+        if len(linear) != info.state_layers:
             raise ValueError(f"{info.path}: config.json implies {info.state_layers} recurrent-"
-                             f"state layers, the model has {len(runner.linear)}")
+                             f"state layers, the model has {len(linear)}")
         return runner
 
     def run(self) -> None:
@@ -83,65 +83,6 @@ class MlxThread(threading.Thread):
         now = time.perf_counter()
         self.stats.step(now - max(started, self.last_sent), len(result.tokens))
         self.last_sent = now
-
-
-class Pipeline:
-    """At most one launched step whose result is not read back yet. Launching the next step
-    first and then reading the previous one keeps the MLX stream fed while Python builds
-    graphs, as mlx_lm.generate's async_eval loop does; the previous result is sent as soon as
-    the new step would have to wait for MLX (or when it is built)."""
-
-    def __init__(self, thread: MlxThread):
-        self.thread = thread
-        self.pending: tuple[m.ForwardBatch, Launched, float] | None = None
-        self.launching = False
-        self.failed = False  # the pending step failed while the next one was being built
-
-    @property
-    def busy(self) -> bool:
-        return self.pending is not None
-
-    def flush(self) -> None:
-        """Read the pending step back and send its result."""
-        if self.pending is None:
-            return
-        batch, launched, started = self.pending
-        self.pending = None
-        try:
-            result = self.thread.runner.finish(launched)
-        except Exception as e:
-            self.thread.send(self._error(batch, e), started)
-            if self.launching:
-                self.failed = True  # reset once the step being built is abandoned
-            else:
-                self.thread.reset()
-            return
-        self.thread.send(result, started)
-
-    def launch(self, batch: m.ForwardBatch) -> None:
-        started = time.perf_counter()
-        self.launching = True
-        try:
-            launched, error = self.thread.runner.launch(batch, before_wait=self.flush), None
-        except Exception as e:
-            launched, error = None, e
-        finally:
-            self.launching = False
-        self.flush()  # the earlier step's result first: the scheduler expects them in order
-        if error is None and self.failed:
-            error = RuntimeError("the step it was built on failed")
-        if error is not None:
-            self.thread.send(self._error(batch, error), started)
-            self.thread.reset()
-            self.failed = False
-            return
-        self.pending = (batch, launched, started)
-
-    def _error(self, batch: m.ForwardBatch, e: Exception) -> m.StepResult:
-        # The scheduler ends the requests of this step with the error.
-        self.thread.log.error("step.error", step=batch.step, error=repr(e),
-                              traceback="".join(traceback.format_exception(e)))
-        return m.StepResult(step=batch.step, rows=[], tokens=[], error=repr(e))
 
 
 class Utilisation:
@@ -191,10 +132,9 @@ async def serve(shell: Shell) -> None:
     mlx = MlxThread(shell, asyncio.get_running_loop())
     mlx.start()
     await mlx.loaded
-    shell.log.info("runner.blas", library=blas.in_use(),
-                   skinny_matmul=shell.cfg.runtime.skinny_matmul,
-                   fast_math=shell.cfg.runtime.fast_math)
-    await tell_layers(shell, mlx.runner.kinds)
+    # What the CPU patches did (cpu/__init__.py): the BLAS in use, the flags, the counts.
+    shell.log.info("runner.blas", **asdict(mlx.runner.cpu))
+    await tell_layers(shell, mlx.runner.layers.kinds)
     await shell.ready(model=shell.model.name)
     try:
         while True:

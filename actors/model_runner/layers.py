@@ -13,6 +13,7 @@ cache it cannot batch is refused here, at launch, by layer and type, never by a 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import mlx.nn as nn
@@ -22,6 +23,26 @@ from protocol.messages import LAYER_FULL, LAYER_OTHER, LAYER_RECURRENT, LAYER_SL
 
 ATTENTION, LINEAR = "attention", "linear"
 BATCHED = ("extract", "filter", "extend")  # what the decode path calls on a merged cache
+
+
+@dataclass(frozen=True)
+class Layers:
+    """The model's layer kinds, and for each part of the runner the layers it works on."""
+
+    kinds: list[str]
+    full: list[int]  # the KV pool's layers
+    linear: list[int]  # the state pool's layers
+    attention: list[int]  # caches that keep K/V and count positions in `offset`
+    unpooled: list[int]  # layers the pools cannot restore a prefix of: KV ops are refused
+
+    @classmethod
+    def of(cls, kinds: list[str]) -> Layers:
+        return cls(kinds=kinds,
+                   full=[i for i, k in enumerate(kinds) if k == LAYER_FULL],
+                   linear=[i for i, k in enumerate(kinds) if k == LAYER_RECURRENT],
+                   attention=[i for i, k in enumerate(kinds) if k in (LAYER_FULL, LAYER_SLIDING)],
+                   unpooled=[i for i, k in enumerate(kinds)
+                             if k not in (LAYER_FULL, LAYER_RECURRENT)])
 
 
 def _is_attention(module: Any) -> bool:
@@ -85,13 +106,18 @@ def classify(model: nn.Module) -> list[str]:
         if not batchable(cache):
             refused.setdefault(type(cache).__name__, []).append(i)
     if refused:
-        named = "; ".join(f"layer{'s' * (len(at) > 1)} {', '.join(map(str, at))} ({kind})"
-                          for kind, at in refused.items())
+        named = "; ".join(_layers_named(at, kind) for kind, at in refused.items())
         raise ValueError(f"the runner cannot batch the cache of {named}: mlx-lm gives it no "
                          "merge, or no extract/filter/extend once merged")
     kinds = [cache_kind(c) for c in caches]
     _check_mixers(model, kinds)
     return kinds
+
+
+def _layers_named(at: list[int], kind: str) -> str:
+    """"layer 2 (X)" or "layers 1, 3 (X)"."""
+    word = "layers" if len(at) > 1 else "layer"
+    return f"{word} {', '.join(map(str, at))} ({kind})"
 
 
 def _check_mixers(model: nn.Module, kinds: list[str]) -> None:

@@ -1,6 +1,7 @@
 """Runner memory addressed by the scheduler's ids: the KV pool (full-attention layers, one entry
-per KV slot) and the state pool (recurrent layers, one entry per state slot). Which layer is
-which: layers.py.
+per KV slot) and the state pool (recurrent layers, one entry per state slot), and `Pools`, the
+one place a deferred op (protocol.messages.OpKind) is applied to them. Which layer is which:
+layers.py; what each row holds between steps: rows.py.
 
 The runner computes on fast working copies (mlx-lm caches per row and per decode batch); the
 pools are the storage of record that prefix reuse goes through: KV is saved into slots when the
@@ -13,6 +14,11 @@ from __future__ import annotations
 from typing import Any
 
 import mlx.core as mx
+
+from actors.model_runner.layers import Layers
+from actors.model_runner.rows import Rows, StepError
+from protocol import messages as m
+from protocol.codec import unpack_ids
 
 
 class KvPool:
@@ -87,3 +93,85 @@ class StatePool:
         index = mx.array(slots)
         for a, v in zip(self.arrays[layer], values):
             a[index] = v
+
+
+class Pools:
+    """Both pools (either may be missing: no KV slots configured, or no recurrent layer) and the
+    scheduler's ops on them, applied in batch order before the step's forward (DESIGN
+    section 5). An op the runner cannot carry out is a StepError: the scheduler sent it."""
+
+    def __init__(self, layers: Layers, kv: KvPool | None, states: StatePool | None):
+        self.layers, self.kv, self.states = layers, kv, states
+
+    def apply(self, op: m.Op, rows: Rows) -> None:
+        match op.kind:
+            case m.OpKind.CLEAR:
+                self._need(self.states, "state").clear(op.dst)
+            case m.OpKind.COPY | m.OpKind.SNAPSHOT:
+                self._need(self.states, "state").copy(op.src, op.dst)
+            case m.OpKind.KV_SAVE:
+                self._check_restorable("save")
+                self._save_kv(rows, op.dst, op.start, unpack_ids(op.slots))
+            case m.OpKind.KV_LOAD:
+                self._check_restorable("load")
+                rows.load_later(op.dst, unpack_ids(op.slots))
+            case m.OpKind.DONATE:
+                rows.donate(op.dst, op.src)
+            case _:
+                raise StepError(f"unknown op kind {op.kind}")
+
+    def _check_restorable(self, what: str) -> None:
+        """A sliding-window layer keeps only its window, so the pool cannot give a prefix of
+        it back: the scheduler runs such a model with the prefix cache off."""
+        unpooled = self.layers.unpooled
+        if unpooled:
+            kinds = sorted({self.layers.kinds[i] for i in unpooled})
+            raise StepError(f"KV {what}, but layers {unpooled} ({', '.join(kinds)}) "
+                            "cannot be restored from the KV pool")
+
+    @staticmethod
+    def _need(pool: Any, what: str) -> Any:
+        if pool is None:
+            raise StepError(f"a {what} op, but this runner has no {what} pool")
+        return pool
+
+    def _save_kv(self, rows: Rows, row: int, start: int, slots: list[int]) -> None:
+        """The row's KV at positions [start, start + len(slots)) into the pool's slots."""
+        pool = self._need(self.kv, "KV")
+        caches, index, pad = rows.kv_of(row)
+        first, end = pad + start, pad + start + len(slots)
+        for layer in self.layers.full:
+            c = caches[layer]
+            keys = c.keys[index, :, first:end, :].transpose(1, 0, 2)
+            values = c.values[index, :, first:end, :].transpose(1, 0, 2)
+            pool.save(layer, slots, keys, values)
+
+    def restore(self, cache: list[Any], kv_slots: list[int], state_slot: int | None) -> None:
+        """Fill a new prompt's fresh caches: the cached prefix's KV from the KV slots (if the
+        scheduler found a prefix) and the recurrent state from the row's state slot (cleared
+        or copied by this step's ops)."""
+        if kv_slots:
+            pool = self._need(self.kv, "KV")
+            for layer in self.layers.full:
+                keys, values = pool.load(layer, kv_slots)
+                c = cache[layer]
+                c.keys = keys.transpose(1, 0, 2)[None]
+                c.values = values.transpose(1, 0, 2)[None]
+                c.offset = len(kv_slots)
+        if self.states is not None and state_slot is not None:
+            for layer in self.layers.linear:
+                cache[layer].cache = self.states.read(layer, [state_slot])
+
+    def write_states(self, slots: list[int] | None, caches: list[Any]) -> None:
+        """Write the recurrent state through to the rows' state slots, so a snapshot, a copy
+        or a donation the scheduler orders later sees exactly the state after this step.
+        slots None: the rows keep no state slot (prefix caching off), nothing to keep."""
+        if self.states is None or slots is None:
+            return
+        for layer in self.layers.linear:
+            self.states.write(layer, slots, caches[layer].cache)
+
+    def arrays(self) -> list[mx.array]:
+        """Every pool array: pool writes are lazy scatters, evaluated with each step."""
+        pools = [p for p in (self.kv, self.states) if p is not None]
+        return [a for p in pools for a in p.all_arrays()]

@@ -9,7 +9,8 @@ from mlx_lm.models.cache import (ArraysCache, CacheList, ChunkedKVCache, Concate
 from models.builtin import ensure_builtin
 from actors.model_runner.layers import classify
 from actors.model_runner.loading import load_model
-from actors.model_runner.runner import ModelRunner, StepError
+from actors.model_runner.rows import StepError
+from actors.model_runner.runner import ModelRunner
 from actors.scheduler.core import Scheduler
 from actors.scheduler.prefix_plan import plan_prefix
 from protocol import messages as m
@@ -47,10 +48,11 @@ def test_builtins_are_classified_by_their_mlx_lm_caches(models, name):
 
 def test_runner_lists_follow_the_kinds(models):
     runner = ModelRunner(models["gemma3-tiny"], 2, kv_slots=64)
-    assert runner.kinds == EXPECTED["gemma3-tiny"]
-    assert runner.full == [1, 3] and runner.attention == [0, 1, 2, 3]
-    assert runner.linear == [] and runner.unpooled == [0, 2]
-    assert runner.kv_pool.layers == [1, 3]  # the pool holds only what it can give back
+    layers = runner.layers
+    assert layers.kinds == EXPECTED["gemma3-tiny"]
+    assert layers.full == [1, 3] and layers.attention == [0, 1, 2, 3]
+    assert layers.linear == [] and layers.unpooled == [0, 2]
+    assert runner.pools.kv.layers == [1, 3]  # the pool holds only what it can give back
 
 
 @pytest.mark.parametrize("cache, name", [

@@ -9,9 +9,11 @@ from actors.model_runner.cpu import fastmath
 from models.builtin import ensure_builtin
 from actors.model_runner.loading import load_model
 from models.info import read_model_info
-from actors.model_runner.runner import ModelRunner, StepError
+from actors.model_runner.rows import StepError
+from actors.model_runner.runner import ModelRunner
 from actors.scheduler.core import Scheduler
 from protocol import messages as m
+from protocol.codec import pack_ids
 from tests.e2e.oracle import Oracle
 from tests.unit.drive import drive
 
@@ -85,6 +87,40 @@ def test_a_decode_row_that_was_never_prefilled_is_refused(setup):
         runner.step(batch)
 
 
+def ops_batch(step: int, *ops: m.Op, admit: dict[int, int] | None = None) -> m.ForwardBatch:
+    """A batch of ops only; admit: row -> its live state slot."""
+    admit = admit or {}
+    return m.ForwardBatch(step=step, rows=[], input_lens=[], start_pos=[], future=[], sample=[],
+                          input_ids=b"", ops=list(ops), admit_rows=list(admit),
+                          admit_params=[m.SamplingParams(max_new_tokens=1)] * len(admit),
+                          admit_states=list(admit.values()))
+
+
+def test_ops_the_runner_cannot_carry_out_are_refused(setup):
+    path, _, _ = setup
+    model = load_model(path)
+    bare = ModelRunner(model, 2)  # no KV slots, no state slots: no pools
+    with pytest.raises(StepError, match="a state op, but this runner has no state pool"):
+        bare.step(ops_batch(1, m.Op(kind=m.OpKind.CLEAR, dst=1)))
+    save = m.Op(kind=m.OpKind.KV_SAVE, dst=1, slots=pack_ids([0, 1]))
+    with pytest.raises(StepError, match="a KV op, but this runner has no KV pool"):
+        bare.step(ops_batch(1, save))
+    with pytest.raises(StepError, match="KV save for row 1, which holds no KV"):
+        ModelRunner(model, 2, kv_slots=64).step(ops_batch(1, save))
+
+
+def test_a_row_donates_only_the_state_slot_it_owns(setup):
+    path, _, _ = setup
+    runner = ModelRunner(load_model(path), 2)
+    runner.step(ops_batch(1, admit={1: 2}))
+    with pytest.raises(StepError, match="row 1 donates state slot 3, but its live state is 2"):
+        runner.step(ops_batch(2, m.Op(kind=m.OpKind.DONATE, src=3, dst=1)))
+    runner.step(ops_batch(3, m.Op(kind=m.OpKind.DONATE, src=2, dst=1)))
+    assert runner.rows.state_slots([1]) is None  # no longer written through to slot 2
+    with pytest.raises(StepError, match="donates state slot 2, but its live state is None"):
+        runner.step(ops_batch(4, m.Op(kind=m.OpKind.DONATE, src=2, dst=1)))
+
+
 def test_prefix_cache_hits_keep_tokens_identical(setup):
     """Same prompt twice, a shared system prompt with different user turns, a multi-turn chat
     that appends to the last turn, concurrent requests sharing a prefix; overlap on, prompts
@@ -130,7 +166,12 @@ def test_long_chunks_take_the_numpy_softmax_and_keep_tokens_identical(setup, dep
     path, oracle, info = setup
     calls = []
     numpy_softmax = fastmath.softmax
-    monkeypatch.setattr(fastmath, "softmax", lambda s: calls.append(s.shape) or numpy_softmax(s))
+
+    def counted_softmax(scores):
+        calls.append(scores.shape)
+        return numpy_softmax(scores)
+
+    monkeypatch.setattr(fastmath, "softmax", counted_softmax)
     ids = [oracle.tokenizer.encode(f"{k}: " + p * 30)[:180 + 10 * k] for k, p in
            enumerate(PROMPTS)]
     arrivals = {0: [(f"r{k}", p, 8) for k, p in enumerate(ids[:3])],

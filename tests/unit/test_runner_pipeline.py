@@ -4,7 +4,7 @@ touched. The runner is faked (it records calls); the Pipeline under test is the 
 
 from __future__ import annotations
 
-from actors.model_runner.actor import Pipeline
+from actors.model_runner.pipeline import Pipeline, before_host_sync
 from protocol import messages as m
 
 
@@ -13,10 +13,11 @@ class FakeRunner:
         self.calls, self.waits = calls, set(waits)
         self.bad_launch, self.bad_finish = set(bad_launch), set(bad_finish)
 
-    def launch(self, batch: m.ForwardBatch, before_wait=None):
+    def launch(self, batch: m.ForwardBatch):
         self.calls.append(("launch", batch.step))
         if batch.step in self.waits:  # this step needs MLX values while it is built
-            before_wait()
+            before_host_sync()
+            before_host_sync()  # a second wait in the same step flushes nothing more
             self.calls.append(("waited", batch.step))
         if batch.step in self.bad_launch:
             raise RuntimeError(f"launch {batch.step}")

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 from hypothesis import assume, given, settings, strategies as st
 
-from actors.model_runner import sampling
-from actors.model_runner.sampling import (MAX_TOP_LOGPROBS, RowParams, Sampler, apply_filters,
-                                          sample_tokens)
+from actors.model_runner import filters
+from actors.model_runner.filters import apply_filters
+from actors.model_runner.sampling import MAX_TOP_LOGPROBS, RowParams, Sampler
 
 Z_999 = 3.090232  # standard normal quantile at 1 - 0.001
 
@@ -183,11 +183,11 @@ def test_filters_keep_exactly_the_reference_set(case):
         assume(ps[i] == 1 or np.abs(cum - ps[i]).min() > 1e-4)
         p = softmax(x[i].astype(np.float64))
         assume(mins[i] == 0 or np.abs(p / p.max() - mins[i]).min() > 1e-4)
-    old, sampling.NUCLEUS_WIDTH = sampling.NUCLEUS_WIDTH, width
+    old, filters.NUCLEUS_WIDTH = filters.NUCLEUS_WIDTH, width
     try:
         kept = np.array(apply_filters(mx.array(x), ks, ps, mins)) > -np.inf
     finally:
-        sampling.NUCLEUS_WIDTH = old
+        filters.NUCLEUS_WIDTH = old
     for i in range(len(x)):
         want = expected_probs(x[i], top_k=min(ks[i], len(x[i])), top_p=ps[i], min_p=mins[i]) > 0
         assert (kept[i] == want).all(), (i, np.flatnonzero(kept[i]), np.flatnonzero(want))
@@ -400,9 +400,3 @@ def test_released_rows_cannot_sample():
     with pytest.raises(KeyError):
         sampler.sample([1], mx.zeros((1, 8)))
 
-
-def test_sample_tokens_is_still_there():
-    logits = mx.array(np.random.default_rng(1).normal(size=(3, 20)).astype(np.float32))
-    tokens = sample_tokens(logits, [0.0, 1.0, 0.0]).tolist()
-    best = np.argmax(np.array(logits), axis=-1)
-    assert tokens[0] == best[0] and tokens[2] == best[2] and 0 <= tokens[1] < 20

@@ -28,7 +28,7 @@ def gemma(model_cache):
 def serve(path, info, arrivals, depth, chunk, max_rows=4):
     """arrivals: step -> [(rid, ids, max_new, group)]. Returns (rid -> tokens, batches)."""
     runner = ModelRunner(load_model(path), max_rows, kv_slots=1 << 14)
-    plan = plan_prefix(runner.kinds, True)
+    plan = plan_prefix(runner.layers.kinds, True)
     sched = Scheduler(max_running=max_rows, chunked_prefill_size=chunk, kv_slots=1 << 14,
                       context_length=info.context_length, eos_ids=info.eos_ids,
                       prefix_cache=plan.prefix, share_groups=plan.share_groups)

@@ -1,0 +1,56 @@
+"""The runner's patches of MLX and mlx-lm for the CPU, installed together by install().
+
+- blas.py: the BLAS behind MLX's matmuls, loaded by the runner's entry point before MLX is
+  imported (not by install(): by then it is too late);
+- skinny.py: decode-shaped matmuls as (W @ x.T).T (`runtime.skinny_matmul`, CPU only);
+- fastmath.py: the attention softmax and the SiLU in NumPy (`runtime.fast_math`, CPU only);
+- head.py: the LM head on the last position only while a prompt's last chunk runs. It skips
+  work on any device, so it is installed everywhere.
+
+This file imports no MLX: `from actors.model_runner.cpu import blas` must stay possible before
+blas.load(), so install() imports the patch modules when it runs.
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import mlx.nn as nn
+
+    from protocol.config import RuntimeConfig
+
+
+@dataclass(frozen=True)
+class Installed:
+    """What install() did, for the runner's startup log (`runner.blas`). Counts are 0 where
+    the model was patched already (a runner rebuilt after a failed step) or not on the CPU."""
+
+    library: str  # the BLAS in use (blas.in_use())
+    skinny_matmul: bool  # as configured
+    fast_math: bool  # as configured: whether the runner's steps take the NumPy path
+    skinny_layers: int  # linear and embedding layers switched to the skinny path
+    fast_math_globals: int  # mlx-lm module globals pointed at fastmath's dispatchers
+    head_modules: int  # LM head modules that can cut to the last position
+
+    def steps(self) -> AbstractContextManager[None]:
+        """The context the runner builds its steps in: fast math on where configured."""
+        from actors.model_runner.cpu import fastmath
+
+        return fastmath.active(self.fast_math)
+
+
+def install(model: nn.Module, runtime: RuntimeConfig, vocab_size: int) -> Installed:
+    """Apply every patch the `[runtime]` config asks for to `model` (in place)."""
+    from actors.model_runner.cpu import blas, fastmath, head, skinny
+
+    return Installed(
+        library=blas.in_use(),
+        skinny_matmul=runtime.skinny_matmul,
+        fast_math=runtime.fast_math,
+        skinny_layers=skinny.apply(model) if runtime.skinny_matmul else 0,
+        fast_math_globals=fastmath.install(model) if runtime.fast_math else 0,
+        head_modules=head.install(model, vocab_size),
+    )

@@ -6,7 +6,7 @@ mx.exp of 2M float32 values 24 ms, numpy's (AVX-512) 0.95 ms. In a prefill chunk
 the attention softmax ([heads, 512, 512] exps per layer) and the SiLU ([512, intermediate]) then
 take as long as all the matmuls together. Here MLX still computes the attention scores and the
 weighted sum (BLAS), NumPy the softmax and the sigmoid: prefill of qwen3-small 1.7x faster, batch-16
-decode steps ~8% faster (`python -m launch.bench_fastmath`). Greedy tokens stay those of
+decode steps ~8% faster (`python -m benchmarks.kernels.fastmath`). Greedy tokens stay those of
 mlx_lm.generate (tests/unit/test_fastmath.py, and every runner oracle test runs with it on).
 
 Each layer that takes the NumPy path evaluates its graph up to there (the NumPy call needs the
@@ -17,7 +17,9 @@ MLX's path, bit for bit.
 mlx-lm's model modules call `scaled_dot_product_attention` and `swiglu` through their module
 globals; install() points those names at dispatchers that take the NumPy path only on a thread
 inside `active()`. The runner enters it for its steps; the same process's stock mlx-lm (the
-tests' oracle, the bare-forward benchmark) keeps MLX's path.
+tests' oracle, the bare-forward benchmark) keeps MLX's path. The NumPy call waits for MLX
+values, so it first lets the runner's pipeline send the previous step's result
+(pipeline.before_host_sync).
 """
 
 from __future__ import annotations
@@ -25,12 +27,14 @@ from __future__ import annotations
 import sys
 import threading
 from contextlib import contextmanager
-from typing import Callable, Iterator
+from typing import Iterator
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 from mlx_lm.models import activations, base
+
+from actors.model_runner.pipeline import before_host_sync
 
 MIN_ELEMENTS = 1 << 14  # below this, MLX's scalar loop costs less than leaving the graph
 
@@ -40,24 +44,14 @@ _state = threading.local()
 
 
 @contextmanager
-def active(on: bool = True, before_wait: Callable[[], None] | None = None) -> Iterator[None]:
-    """Take the NumPy path on this thread (where install() has patched the model's modules).
-    before_wait runs once, before the first wait for MLX values (see before_wait())."""
-    saved = getattr(_state, "on", False), getattr(_state, "hook", None)
-    _state.on, _state.hook = on, before_wait
+def active(on: bool = True) -> Iterator[None]:
+    """Take the NumPy path on this thread (where install() has patched the model's modules)."""
+    saved = getattr(_state, "on", False)
+    _state.on = on
     try:
         yield
     finally:
-        _state.on, _state.hook = saved
-
-
-def before_wait() -> None:
-    """About to block on MLX values: run the hook active() was given (the runner actor sends
-    the previous step's result there, so it does not wait behind this step), once."""
-    hook = getattr(_state, "hook", None)
-    if hook is not None:
-        _state.hook = None
-        hook()
+        _state.on = saved
 
 
 def _wanted(*arrays: mx.array) -> bool:
@@ -67,7 +61,7 @@ def _wanted(*arrays: mx.array) -> bool:
 
 def softmax(scores: mx.array) -> mx.array:
     """Softmax over the last axis, computed by NumPy (evaluates `scores`)."""
-    before_wait()
+    before_host_sync()
     a = np.asarray(scores)  # a view of MLX's buffer: never written
     e = np.exp(a - a.max(axis=-1, keepdims=True))
     e /= e.sum(axis=-1, keepdims=True)
@@ -125,7 +119,7 @@ def swiglu(gate: mx.array, x: mx.array) -> mx.array:
     """silu(gate) * x, with the sigmoid's exp in NumPy when it pays."""
     if gate.size < MIN_ELEMENTS or not _wanted(gate, x):
         return _stock_swiglu(gate, x)
-    before_wait()
+    before_host_sync()
     with np.errstate(over="ignore"):  # exp(-gate) = inf for gate < -88: silu is -0.0 there
         decay = mx.array(np.exp(-np.asarray(gate)))
     return gate * x / (1.0 + decay)

@@ -4,7 +4,7 @@ A linear layer computes x @ W.T with x [rows, in] and W [out, in]. In decode, ro
 (1-16), and with MKL behind MLX on the CPU that product is slow for rows >= 2: the BLAS packs
 the whole transposed weight for a handful of rows. The same product written as (W @ x.T).T lets
 the BLAS stream W as the big left operand. Measured on this project's 2-core x86 machine with
-MKL (launch/bench_skinny.py): 1.2-2x faster for 2-128 rows, equal for 1 row, on the attention
+MKL (benchmarks/kernels/skinny.py): 1.2-2x faster for 2-128 rows, equal for 1 row, on the attention
 and MLP shapes and on the tied 151,936-row LM head. Same math; the sums are ordered
 differently, so results can differ from x @ W.T in the last bits (like any change of batch).
 

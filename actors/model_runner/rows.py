@@ -1,0 +1,163 @@
+"""The runner's row table: the runner side of the FutureMap (DESIGN section 4) and what each
+request-pool row holds between steps. The scheduler addresses everything by row id; row 0 is
+padding.
+
+Where a row is, by state:
+- `token_buf[row]`: the token the row sampled last. A row belongs to one request from
+  admission to release, so a future input resolved here (resolve_futures) is always that
+  request's last token; the row's next request overwrites it with its own first sample.
+- `state[row]`: its live recurrent-state slot (hybrid models), from admission until release
+  or until the row donates the slot to the prefix tree.
+- `pending_load[row]`: the KV slots of its cached prefix, from a KV_LOAD op until its first
+  prompt chunk builds its caches from them.
+- `prefilling[row]`: its own per-layer mlx-lm caches, while its prompt runs chunk by chunk.
+- `decode_rows` / `decode_cache`: the decode batch, rows in batch order and one batched cache
+  per layer (left padded), so a decode step is one forward of shape [rows, 1].
+- `parked[row]`: caches extracted from the decode batch of a row that stopped decoding but is
+  not released yet (it finished while a step was in flight, or is being retracted): its KV
+  may still be saved for the prefix cache.
+
+How a row moves, in a step's order: a KV_LOAD op (load_later) -> admit -> its first chunk
+(start_prompt) -> its last chunk (end_prompt, then join_decode: at once when its last token
+runs in this step's decode forward, after it when the prompt was sampled on its own) ->
+keep_decoding leaves it out: parked -> release, which forgets it everywhere except
+`pending_load` (the load for the row's next request may ride in the batch that releases it:
+ops apply before releases).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+
+from actors.model_runner.pipeline import before_host_sync
+
+
+class StepError(RuntimeError):
+    """The batch contradicts the runner's state: a scheduler bug, reported, never hidden."""
+
+
+class Rows:
+    def __init__(self, max_rows: int, full_layers: list[int]):
+        self.token_buf = mx.zeros((max_rows + 1,), dtype=mx.int32)  # row 0 is padding
+        self.state: dict[int, int] = {}  # row -> its live state slot
+        self.pending_load: dict[int, list[int]] = {}  # row -> KV slots of its cached prefix
+        self.prefilling: dict[int, list[Any]] = {}  # row -> per-layer caches, mid-prompt
+        self.decode_rows: list[int] = []  # row order of the batched cache
+        self.decode_cache: list[Any] | None = None
+        self.parked: dict[int, list[Any]] = {}  # row -> its caches, out of the decode batch
+        # A full-attention layer's batched cache tells each decode row's left padding.
+        self.full_layers = full_layers
+
+    # -- admission, release, ops ----------------------------------------------------------------
+
+    def admit(self, row: int, state_slot: int) -> None:
+        """The row starts a request; state_slot < 0: it keeps no recurrent state."""
+        if state_slot >= 0:
+            self.state[row] = state_slot
+
+    def release(self, rows: list[int]) -> None:
+        """The scheduler freed these rows: drop their caches and their live state."""
+        for row in rows:
+            self.prefilling.pop(row, None)
+            self.parked.pop(row, None)
+            self.state.pop(row, None)
+        gone = set(rows) & set(self.decode_rows)
+        if gone:
+            self.keep_decoding([r for r in self.decode_rows if r not in gone], park=False)
+
+    def donate(self, row: int, slot: int) -> None:
+        """The row gives its live state slot to the prefix tree: from now on its state is no
+        longer written through to that slot."""
+        if self.state.get(row) != slot:
+            raise StepError(f"row {row} donates state slot {slot}, but its live state "
+                            f"is {self.state.get(row)}")
+        del self.state[row]
+
+    def load_later(self, row: int, slots: list[int]) -> None:
+        """The row's next prompt starts from these KV slots (used by its first chunk)."""
+        self.pending_load[row] = slots
+
+    def state_slots(self, rows: list[int]) -> list[int] | None:
+        """The rows' live state slots, or None if any row has none (prefix caching off)."""
+        slots = [self.state[r] for r in rows if r in self.state]
+        return slots if len(slots) == len(rows) else None
+
+    def kv_of(self, row: int) -> tuple[list[Any], int, int]:
+        """Where a KV save reads the row's KV: (per-layer caches, the row's index in them, its
+        left padding). Mid-prompt and parked rows have caches of their own."""
+        if row in self.prefilling:
+            return self.prefilling[row], 0, 0
+        if row in self.parked:
+            return self.parked[row], 0, 0
+        if row not in self.decode_rows:
+            raise StepError(f"KV save for row {row}, which holds no KV")
+        index = self.decode_rows.index(row)
+        before_host_sync()  # the padding is read back
+        padding = self.decode_cache[self.full_layers[0]].left_padding[index]
+        return self.decode_cache, index, int(padding.item())
+
+    # -- prompts --------------------------------------------------------------------------------
+
+    def prompt_cache(self, row: int) -> list[Any] | None:
+        return self.prefilling.get(row)
+
+    def take_load(self, row: int) -> list[int]:
+        """The KV slots a KV_LOAD gave the row's new prompt ([] if none)."""
+        return self.pending_load.pop(row, [])
+
+    def start_prompt(self, row: int, cache: list[Any]) -> None:
+        self.prefilling[row] = cache
+
+    def end_prompt(self, row: int) -> None:
+        """The row's last chunk runs: its caches now go to the decode batch."""
+        del self.prefilling[row]
+
+    # -- the decode batch -----------------------------------------------------------------------
+
+    def join_decode(self, row: int, cache: list[Any]) -> None:
+        merged = [type(c).merge([c]) for c in cache]
+        if self.decode_cache is None:
+            self.decode_cache = merged
+        else:
+            for batched, new in zip(self.decode_cache, merged):
+                batched.extend(new)
+        self.decode_rows.append(row)
+
+    def keep_decoding(self, rows: list[int], park: bool = True) -> None:
+        """Shrink the batched cache to the rows this step decodes; the others are parked
+        (released rows are simply dropped)."""
+        missing = set(rows) - set(self.decode_rows)
+        if missing:
+            raise StepError(f"rows {sorted(missing)} decode but were never prefilled")
+        if set(rows) == set(self.decode_rows):
+            return
+        before_host_sync()  # mlx-lm's extract and filter read the paddings back
+        wanted = set(rows)
+        if park:
+            for i, r in enumerate(self.decode_rows):
+                if r not in wanted:
+                    self.parked[r] = [c.extract(i) for c in self.decode_cache]
+        if not rows:
+            self.decode_rows, self.decode_cache = [], None
+            return
+        keep = [i for i, r in enumerate(self.decode_rows) if r in wanted]
+        index = mx.array(keep)
+        for c in self.decode_cache:
+            c.filter(index)
+        self.decode_rows = [self.decode_rows[i] for i in keep]
+
+    # -- the FutureMap --------------------------------------------------------------------------
+
+    def resolve_futures(self, joining: dict[int, int]) -> mx.array:
+        """The decode forward's inputs [rows, 1], in batch order: each row's last sampled
+        token, or for a row whose prompt ends in this step (`joining`) its last prompt token."""
+        if joining:
+            at = mx.array(list(joining))
+            self.token_buf[at] = mx.array(list(joining.values()), dtype=mx.int32)
+        return self.token_buf[mx.array(self.decode_rows)][:, None]
+
+    def record(self, rows: list[int], tokens: mx.array) -> None:
+        """The rows sampled these tokens (lazily): their next future inputs."""
+        self.token_buf[mx.array(rows)] = tokens
