@@ -1,7 +1,7 @@
 import pytest
 
+from harness.graph import Graph
 from models.builtin import ensure_builtin
-from tests.e2e.graph import Graph
 
 
 @pytest.fixture(scope="module")

@@ -214,7 +214,7 @@ def test_a_hostile_body_gets_a_400_and_the_graph_serves_on(graph, path, body, ex
 
 
 def test_limits_are_named_and_a_body_over_the_size_limit_is_413(model_cache):
-    from tests.e2e.graph import Graph
+    from harness.graph import Graph
 
     g = Graph("model.builtin=qwen3-tiny", "limits.max_body_bytes=1000",
               "limits.max_frame_bytes=1000", "limits.max_string_chars=50",

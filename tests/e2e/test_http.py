@@ -11,8 +11,8 @@ import time
 import openai
 import pytest
 
+from harness.graph import Graph
 from protocol.client import Client
-from tests.e2e.graph import Graph
 
 pytestmark = pytest.mark.slow
 

@@ -12,10 +12,10 @@ import urllib.request
 
 import pytest
 
+from harness.graph import Graph
 from models.builtin import ensure_builtin
 from protocol import messages as m
 from protocol.client import Client, ServerError
-from tests.e2e.graph import Graph
 
 pytestmark = pytest.mark.slow
 
@@ -92,7 +92,7 @@ def test_sigint_while_starting_stops_everything(tiny):
     import sys
     import time
 
-    from tests.e2e.graph import ROOT, alive
+    from harness.graph import ROOT, alive
 
     proc = subprocess.Popen([sys.executable, "-m", "launch", "--config",
                              str(ROOT / "configs" / "qwen.toml"), "--set", tiny,

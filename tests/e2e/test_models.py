@@ -8,9 +8,9 @@ import json
 
 import pytest
 
+from harness.graph import Graph
 from models.builtin import ensure_builtin
 from protocol.client import AsyncClient, Client
-from tests.e2e.graph import Graph
 from tests.e2e.oracle import Oracle
 
 pytestmark = pytest.mark.slow

@@ -8,9 +8,9 @@ import asyncio
 
 import pytest
 
+from harness.graph import Graph
 from models.builtin import ensure_builtin
 from protocol.client import AsyncClient, Client
-from tests.e2e.graph import Graph
 
 pytestmark = pytest.mark.slow
 

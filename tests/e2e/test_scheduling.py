@@ -8,10 +8,10 @@ import asyncio
 
 import pytest
 
+from harness.graph import Graph
 from models.builtin import ensure_builtin
 from protocol import messages as m
 from protocol.client import AsyncClient
-from tests.e2e.graph import Graph
 from tests.e2e.oracle import Oracle
 from tests.e2e.test_serving import PROMPTS
 

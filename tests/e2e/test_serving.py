@@ -11,10 +11,10 @@ import msgspec
 import pytest
 import zmq
 
+from harness.graph import ROOT, Graph
 from models.builtin import ensure_builtin
 from protocol import messages as m
 from protocol.client import AsyncClient, Client, ServerError
-from tests.e2e.graph import ROOT, Graph
 from tests.e2e.oracle import Oracle
 
 pytestmark = pytest.mark.slow

@@ -10,9 +10,9 @@ import asyncio
 
 import pytest
 
+from harness.graph import Graph
 from models.builtin import ensure_builtin
 from protocol.client import AsyncClient
-from tests.e2e.graph import Graph
 from tests.e2e.oracle import Oracle
 
 pytestmark = pytest.mark.slow

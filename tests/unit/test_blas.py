@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from actors.model_runner.cpu import blas
-from tests.e2e.graph import ROOT
+from harness.graph import ROOT
 
 LINUX_X86 = sys.platform.startswith("linux") and os.uname().machine == "x86_64"
 

@@ -1,4 +1,4 @@
-"""ZMQ frames for the fuzz job (launch/bench_fuzz.py): GenerateRequest and AbortRequest maps
+"""ZMQ frames for the fuzz job (benchmarks/fuzz/job.py): GenerateRequest and AbortRequest maps
 drawn from the msgspec schema (protocol/messages.py) with some fields odd, invalid UTF-8 in
 every kind of string, nesting up to 100,000 deep, long strings and lists, prompts at the edge
 of the context, wrong frame counts, garbage, and byte mutations of valid requests."""
@@ -9,11 +9,11 @@ from typing import Any
 
 from hypothesis import strategies as st
 
-from launch.bench_fuzz_cases import (ANY, BAD, MAX_MUTATED_TOKENS, OK, Case, Draft, Rid, V,
-                                     Values, _fill, _is_int, _short, _v, describe_ops, mutate,
-                                     mutation_ops, worst)
-from launch.bench_fuzz_wire import (INT64_MAX, UINT64_MAX, Str, bounds_of, claimed_req_id,
-                                    decodes, nest, pack, tag_of)
+from benchmarks.fuzz.cases import (ANY, BAD, MAX_MUTATED_TOKENS, OK, Case, Draft, Rid, V,
+                                   Values, _fill, _is_int, _short, _v, describe_ops, mutate,
+                                   mutation_ops, worst)
+from benchmarks.fuzz.wire import (INT64_MAX, UINT64_MAX, Str, bounds_of, claimed_req_id,
+                                  decodes, nest, pack, tag_of)
 from protocol import messages as m
 
 

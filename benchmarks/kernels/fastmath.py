@@ -1,8 +1,8 @@
 """The NumPy softmax and SiLU (actors/model_runner/cpu/fastmath.py) against MLX's own, on whole
-prefills and decode steps of a model (bench_forward's loop; same greedy tokens asserted).
+prefills and decode steps of a model (forward.py's loop; same greedy tokens asserted).
 Both sides use the skinny matmuls, as the runner does: only fastmath differs.
 
-    python -m launch.bench_fastmath --model-path DIR [--blas auto]
+    python -m benchmarks.kernels.fastmath --model-path DIR [--blas auto]
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from actors.model_runner.cpu import blas
 def compare(model_path: str, lengths: list[int], batches: list[int], steps: int = 24) -> None:
     from actors.model_runner.cpu import fastmath, skinny
     from actors.model_runner.loading import load_model
-from models.info import read_model_info
-    from launch.bench_forward import make_prompts, run_batch
+    from benchmarks.kernels.forward import make_prompts, run_batch
+    from models.info import read_model_info
 
     model = load_model(model_path)
     skinny.apply(model)
@@ -47,7 +47,8 @@ from models.info import read_model_info
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="bench_fastmath", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.kernels.fastmath",
+                                description=__doc__.split("\n\n")[0])
     p.add_argument("--model-path", required=True, help="an mlx-lm model directory")
     p.add_argument("--blas", choices=blas.CHOICES, default="auto")
     args = p.parse_args(argv)

@@ -1,4 +1,4 @@
-"""The fuzz job's clients (launch/bench_fuzz.py): a raw HTTP/1.1 client (any bytes as the body,
+"""The fuzz job's clients (benchmarks/fuzz/job.py): a raw HTTP/1.1 client (any bytes as the body,
 and a stream that can be dropped mid-way), the ZMQ and HTTP fuzz drivers, and the tally of
 outcomes and failures they fill. Every wait has a timeout; every connection is to the graph
 under test on 127.0.0.1."""
@@ -19,7 +19,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from launch.bench_fuzz_cases import ANY, BAD, OK, Case
+from benchmarks.fuzz.cases import ANY, BAD, OK, Case
 from protocol import messages as m
 
 EXAMPLES = 5  # offending inputs kept per failure kind

@@ -1,6 +1,6 @@
 """The bare-model ceiling: how fast mlx-lm alone runs a model at a given batch size, no server.
 
-    python -m launch.bench_forward --model-path DIR --batch-sizes 1 2 4 8 16 \
+    python -m benchmarks.kernels.forward --model-path DIR --batch-sizes 1 2 4 8 16 \
         --prompt-tokens 256 --output-tokens 128 --blas auto --json OUT.json
 
 For each batch size B, B distinct fixed prompts of the same length are prefilled together into
@@ -87,7 +87,7 @@ def measure(model_path: str, batch_sizes: Sequence[int], prompt_tokens: int,
     import mlx.core as mx
 
     from actors.model_runner.loading import load_model
-from models.info import read_model_info
+    from models.info import read_model_info
 
     vocab = read_model_info(model_path).vocab_size
     if vocab <= 1000:
@@ -120,7 +120,8 @@ from models.info import read_model_info
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="bench_forward", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.kernels.forward",
+                                description=__doc__.split("\n\n")[0])
     p.add_argument("--model-path", required=True, help="an mlx-lm model directory")
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     p.add_argument("--prompt-tokens", type=int, default=256)

@@ -1,4 +1,4 @@
-"""What the fuzz job (launch/bench_fuzz.py) sends, and what the server must do with it: each
+"""What the fuzz job (benchmarks/fuzz/job.py) sends, and what the server must do with it: each
 input comes with a verdict,
 
 - "ok": served (Finished, HTTP 200);
@@ -7,9 +7,9 @@ input comes with a verdict,
 
 This module has the pieces both surfaces share: values drawn from a field's msgspec schema type
 (right ones, wrong types, out-of-range and past-64-bit numbers, NaN, invalid UTF-8), byte
-mutations, and the seeded hypothesis drawing. The ZMQ frames are bench_fuzz_frames.py, the
-HTTP bodies bench_fuzz_bodies.py. Valid-looking requests ask for at most 8 new tokens, so the
-job's time goes into fuzzing, not generating. Pure: no sockets.
+mutations, and the seeded hypothesis drawing. The ZMQ frames are frames.py, the HTTP bodies
+bodies.py. Valid-looking requests ask for at most 8 new tokens, so the job's time goes into
+fuzzing, not generating. Pure: no sockets.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from typing import Any, Callable, Iterator
 from hypothesis import HealthCheck, Phase, given, seed, settings, strategies as st
 from msgspec import inspect as mi
 
-from launch.bench_fuzz_wire import (INT64_MAX, INT64_MIN, UINT64_MAX, Bounds, Ext, F32, Raw,
-                                    Str, accepted, bounds_of, fields_of, plain_type)
+from benchmarks.fuzz.wire import (INT64_MAX, INT64_MIN, UINT64_MAX, Bounds, Ext, F32, Raw,
+                                  Str, accepted, bounds_of, fields_of, plain_type)
 from protocol import messages as m
 
 OK, BAD, ANY = "ok", "bad", "any"

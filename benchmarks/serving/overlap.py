@@ -1,7 +1,7 @@
 """Runner idle fraction with overlap on vs off, under a steady concurrent load, side by side in
 one run (a benchmark, not a test: the machine is shared and noisy, so compare the ratio).
 
-    python -m launch.bench_overlap [--model qwen3-small] [--concurrency 8] [--seconds 30]
+    python -m benchmarks.serving.overlap [--model qwen3-small] [--concurrency 8] [--seconds 30]
 
 Each mode starts the real graph, keeps `concurrency` ignore-EOS streams running for the given
 time, and reads the runner's `runner.utilisation` log records (busy time over wall time per
@@ -18,8 +18,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from launch.benchgraph import start_graph, stop_graph
+from harness.graph import start_graph, stop_graph
 from protocol.client import AsyncClient
+
 
 async def load(address: str, concurrency: int, seconds: float, max_new: int) -> int:
     deadline = time.monotonic() + seconds
@@ -57,7 +58,8 @@ def measure(model: str, overlap: bool, args: argparse.Namespace) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="bench_overlap", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.serving.overlap",
+                                description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="qwen3-small")
     p.add_argument("--concurrency", type=int, default=8)
     p.add_argument("--seconds", type=float, default=30.0)

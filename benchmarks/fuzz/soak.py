@@ -1,4 +1,4 @@
-"""The soak half of the fuzz job (launch/bench_fuzz.py): valid requests of every shape at a
+"""The soak half of the fuzz job (benchmarks/fuzz/job.py): valid requests of every shape at a
 steady concurrency, over both APIs, with clients that abort, drop the HTTP connection mid-way
 or close their ZMQ socket mid-request; and the greedy canary whose tokens must never change.
 
@@ -20,8 +20,8 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from launch.bench_fuzz_clients import (HttpStream, Tally, dealer, http_call, http_open,
-                                       http_send)
+from benchmarks.fuzz.clients import (HttpStream, Tally, dealer, http_call, http_open,
+                                     http_send)
 from protocol import messages as m
 
 _replies = msgspec.msgpack.Decoder(m.ClientOutbound)

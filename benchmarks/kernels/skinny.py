@@ -2,7 +2,7 @@
 shapes of a model's linear layers and of a tied LM head, for 1-128 rows, and on whole decode
 steps of a model (same tokens asserted).
 
-    python -m launch.bench_skinny [--model-path DIR] [--blas auto]
+    python -m benchmarks.kernels.skinny [--model-path DIR] [--blas auto]
 """
 
 from __future__ import annotations
@@ -43,13 +43,13 @@ def shapes(rows: list[int]) -> None:
 
 
 def decode(model_path: str, batches: list[int], steps: int = 40) -> None:
-    """Whole decode steps (bench_forward's loop) with and without the skinny path."""
+    """Whole decode steps (forward.py's loop) with and without the skinny path."""
     import statistics
 
     from actors.model_runner.cpu import skinny
     from actors.model_runner.loading import load_model
-from models.info import read_model_info
-    from launch.bench_forward import make_prompts, run_batch
+    from benchmarks.kernels.forward import make_prompts, run_batch
+    from models.info import read_model_info
 
     plain, fast = load_model(model_path), load_model(model_path)
     skinny.apply(fast)
@@ -64,7 +64,8 @@ from models.info import read_model_info
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="bench_skinny", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.kernels.skinny",
+                                description=__doc__.split("\n\n")[0])
     p.add_argument("--model-path", default="", help="also time whole decode steps")
     p.add_argument("--blas", choices=blas.CHOICES, default="auto")
     args = p.parse_args(argv)

@@ -1,7 +1,7 @@
 """Time to first token for a prompt whose long prefix is cached vs cold, on a dense and a
 hybrid built-in model (a benchmark, not a test: compare the ratio, measured in one run).
 
-    python -m launch.bench_prefix [--models qwen3-small qwen3_5-tiny] [--prefix-tokens 2000]
+    python -m benchmarks.serving.prefix [--models qwen3-small qwen3_5-tiny] [--prefix-tokens 2000]
 
 For each model: start the real graph (prefix cache on), then for several distinct prefixes send
 prefix + question A (cold: nothing cached) and prefix + question B (the prefix is cached), and
@@ -17,8 +17,9 @@ import sys
 import time
 from pathlib import Path
 
-from launch.benchgraph import start_graph, stop_graph
+from harness.graph import start_graph, stop_graph
 from protocol.client import Client
+
 
 def ttft(client: Client, ids: list[int]) -> tuple[float, int]:
     t0 = time.perf_counter()
@@ -53,7 +54,8 @@ def measure(model: str, prefix_tokens: int, rounds: int, extra: list[str]) -> di
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="bench_prefix", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.serving.prefix",
+                                description=__doc__.split("\n\n")[0])
     p.add_argument("--models", nargs="+", default=["qwen3-small", "qwen3_5-tiny"])
     p.add_argument("--prefix-tokens", type=int, default=2000)
     p.add_argument("--rounds", type=int, default=3)

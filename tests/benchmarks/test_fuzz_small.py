@@ -1,7 +1,7 @@
-"""Issue F at a small scale: the fuzz + soak job (launch/bench_fuzz.py) against a real graph on
-qwen3-tiny, through the job's own API. 300 ZMQ frames, 300 HTTP bodies and 200 soak requests
+"""Issue F at a small scale: the fuzz + soak job (benchmarks/fuzz/job.py) against a real graph
+on qwen3-tiny, through the job's own API. 300 ZMQ frames, 300 HTTP bodies and 200 soak requests
 at concurrency 16: about a minute on a 2-core machine. The full run is
-`python -m launch.bench_fuzz` (README, Benchmarks)."""
+`python -m benchmarks.fuzz` (README, Benchmarks)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import json
 
 import pytest
 
+from benchmarks.fuzz import job
 from models.builtin import ensure_builtin
-from launch import bench_fuzz
 
 pytestmark = pytest.mark.slow
 
@@ -19,12 +19,12 @@ pytestmark = pytest.mark.slow
 def report(model_cache, tmp_path_factory):
     ensure_builtin("qwen3-tiny", cache_dir=model_cache, progress=False)
     out = tmp_path_factory.mktemp("fuzz")
-    args = bench_fuzz.parse_args([
+    args = job.parse_args([
         "--model", "qwen3-tiny", "--zmq-cases", "300", "--http-cases", "300",
         "--soak-requests", "200", "--concurrency", "16", "--timeout", "20",
         "--request-timeout", "60", "--canary-every-s", "10", "--seed", "1",
         "--log-dir", str(out), "--report", str(out / "report.json"), "--quiet"])
-    result = bench_fuzz.run(args)
+    result = job.run(args)
     (out / "report.json").write_text(json.dumps(result, indent=1, default=str))
     return result
 
@@ -39,4 +39,4 @@ def test_every_case_was_sent(report):
 
 def test_no_input_takes_the_server_down(report):
     failed = {c["name"]: c["detail"] for c in report["criteria"] if not c["ok"]}
-    assert not failed, bench_fuzz.table(report)
+    assert not failed, job.table(report)

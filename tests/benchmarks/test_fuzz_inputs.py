@@ -1,5 +1,5 @@
 """The fuzz job's pure parts: raw encoders, schema bounds, mutations, the drawn cases' verdicts
-against the server's own decoders, and the criteria (launch/bench_fuzz*.py)."""
+against the server's own decoders, and the criteria (benchmarks/fuzz/)."""
 
 from __future__ import annotations
 
@@ -10,11 +10,10 @@ import msgspec
 import pytest
 
 from actors.tokenizer import openai_format as oa
-from launch import bench_fuzz
-from launch import bench_fuzz_bodies as bodies, bench_fuzz_frames as frames
-from launch.bench_fuzz_cases import BAD, MAX_NEW, OK, cases, mutate
-from launch.bench_fuzz_wire import (INT64_MIN, UINT64_MAX, Ext, F32, Str, bounds_of,
-                                    claimed_req_id, fields_of, nest, pack, to_json)
+from benchmarks.fuzz import bodies, frames, job
+from benchmarks.fuzz.cases import BAD, MAX_NEW, OK, cases, mutate
+from benchmarks.fuzz.wire import (INT64_MIN, UINT64_MAX, Ext, F32, Str, bounds_of,
+                                  claimed_req_id, fields_of, nest, pack, to_json)
 from protocol import messages as m
 
 PLAIN = [0, 1, -1, -33, 127, 128, 255, 256, 65535, 65536, 2**32, UINT64_MAX, INT64_MIN, 1.5,
@@ -103,12 +102,12 @@ def test_valid_http_bodies_fit_the_openai_schema(chat):
 
 
 def test_criteria_name_what_failed():
-    args = bench_fuzz.parse_args(["--scale", "0"])
+    args = job.parse_args(["--scale", "0"])
     tally = {"cases": 0, "failures": {"zmq_5xx": {"count": 1, "examples": ["ErrorReply(500)"]}}}
     report = {"crashes": [], "canary": [{"tokens": [1, 2]}, {"tokens": [1, 3]}],
               "zmq": tally, "http": {"cases": 0}, "soak": {"requests": 0},
               "end": {"exit_code": 0, "pids_left": [], "idle_after_last_request": True,
                       "first_idle": {"free_rows": 16}, "last_idle": {"free_rows": 16}},
               "rss": {"start_mib": 100.0, "end_mib": 120.0}}
-    failed = {c["name"] for c in bench_fuzz.criteria(report, args) if not c["ok"]}
+    failed = {c["name"] for c in job.criteria(report, args) if not c["ok"]}
     assert failed == {"zmq_no_5xx", "canary_stable"}

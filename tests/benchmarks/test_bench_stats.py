@@ -7,9 +7,9 @@ import math
 
 import pytest
 
+from benchmarks.serving.load import PromptMaker, Sample, pct, steady_decode_rate, summarize
 from models.builtin import ensure_builtin
 from models.tokenizer import load_tokenizer
-from launch.bench_load import PromptMaker, Sample, pct, steady_decode_rate, summarize
 
 
 def test_percentiles_interpolate_and_skip_nan():

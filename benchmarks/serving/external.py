@@ -1,6 +1,6 @@
 """Benchmark a running server with an external client nobody here wrote: GuideLLM (vLLM project).
 
-Its numbers are a cross-check on ours (launch/bench_load.py): a different client, its own
+Its numbers are a cross-check on ours (benchmarks/serving/load.py): a different client, its own
 synthetic prompts, its own definitions of TTFT and ITL. It drives the server's OpenAI endpoint
 only, so it works against any running server, ours or another.
 
@@ -14,7 +14,7 @@ must not touch .venv; the CUDA torch wheel from PyPI makes this venv ~6 GB):
 Then, with a server already up
 (e.g. `launch --config configs/qwen.toml --set server.http_port=8011`):
 
-    .venv/bin/python -m launch.bench_external --url http://127.0.0.1:8011 --model qwen3-tiny \
+    .venv/bin/python -m benchmarks.serving.external --url http://127.0.0.1:8011 --model qwen3-tiny \
         --tokenizer .cache/models/qwen3-tiny-<hash> --out bench-out/guidellm \
         --concurrency 1 4 16 --prompt-tokens 256 --output-tokens 128 --seconds 20
 

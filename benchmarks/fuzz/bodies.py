@@ -1,4 +1,4 @@
-"""HTTP bodies for the fuzz job (launch/bench_fuzz.py): /v1/completions and
+"""HTTP bodies for the fuzz job (benchmarks/fuzz/job.py): /v1/completions and
 /v1/chat/completions bodies drawn from the OpenAI body schemas (actors/tokenizer/openai_format.py),
 their ranges checked against the wire schema's (GenerateRequest) and OpenAI's documented ones;
 chat content parts of every type; bodies wrong as a whole (not JSON, not an object, nested
@@ -9,11 +9,11 @@ from __future__ import annotations
 from hypothesis import strategies as st
 
 from actors.tokenizer import openai_format as oa
-from launch.bench_fuzz_cases import (ANY, BAD, MAX_MUTATED_TOKENS, MAX_NEW, OK, WIRE_NAME,
-                                     Case, Draft, V, Values, _is_int, _same, _short, _v,
-                                     describe_ops, mutate, mutation_ops, worst)
-from launch.bench_fuzz_wire import (INT64_MAX, Raw, bounds_of, fields_of, nest, parses_json,
-                                    plain_type, to_json)
+from benchmarks.fuzz.cases import (ANY, BAD, MAX_MUTATED_TOKENS, MAX_NEW, OK, WIRE_NAME,
+                                   Case, Draft, V, Values, _is_int, _same, _short, _v,
+                                   describe_ops, mutate, mutation_ops, worst)
+from benchmarks.fuzz.wire import (INT64_MAX, Raw, bounds_of, fields_of, nest, parses_json,
+                                  plain_type, to_json)
 
 
 class Bodies(Values):

@@ -1,18 +1,17 @@
 """Fuzz + soak job (issue F): no input from any client may take the server down.
 
-    python -m launch.bench_fuzz [--model qwen3-tiny] [--scale 1.0] [--seed 0]
-                                [--report PATH] [--restarts 0]
+    python -m benchmarks.fuzz [--model qwen3-tiny] [--scale 1.0] [--seed 0]
+                              [--report PATH] [--restarts 0]
 
 Against a real graph on a built-in model, its JSON logs going to a file that the job reads
 back (actor pids, scheduler.idle and scheduler.leak records, crash records):
 
-1. fuzz: 10,000 ZMQ frames (bench_fuzz_frames.py) and 10,000 HTTP bodies
-   (bench_fuzz_bodies.py): hypothesis strategies from the servers' msgspec schemas, invalid
-   UTF-8, deep nesting, huge values, byte mutations of valid requests, each with the verdict
-   the server must reach (bench_fuzz_cases.py), sent over a few connections at a time
-   (bench_fuzz_clients.py);
+1. fuzz: 10,000 ZMQ frames (frames.py) and 10,000 HTTP bodies (bodies.py): hypothesis
+   strategies from the servers' msgspec schemas, invalid UTF-8, deep nesting, huge values, byte
+   mutations of valid requests, each with the verdict the server must reach (cases.py), sent
+   over a few connections at a time (clients.py);
 2. soak: 5,000 valid mixed requests at concurrency 16 over both APIs, with aborts, dropped HTTP
-   connections and ZMQ sockets closed mid-request (launch/bench_fuzz_soak.py), and a greedy
+   connections and ZMQ sockets closed mid-request (soak.py), and a greedy
    canary before, during and after whose token ids must never change;
 3. the end: every actor alive, the scheduler idle with nothing leaked, the runner's RSS within
    its band, exit code 0 after SIGINT.
@@ -35,17 +34,18 @@ import time
 from pathlib import Path
 from typing import Any, Awaitable, Callable
 
-from launch import bench_fuzz_bodies as bodies, bench_fuzz_frames as frames
-from launch.bench_fuzz_cases import Values, cases
-from launch.bench_fuzz_clients import Feed, Tally, http_fuzz, zmq_fuzz
-from launch.bench_fuzz_soak import canary, soak
-from launch.bench_fuzz_graph import Graph, start
-from launch.benchgraph import alive, stop_graph
+from benchmarks.fuzz import bodies, frames
+from benchmarks.fuzz.cases import Values, cases
+from benchmarks.fuzz.clients import Feed, Tally, http_fuzz, zmq_fuzz
+from benchmarks.fuzz.graph import Graph, start
+from benchmarks.fuzz.soak import canary, soak
+from harness.graph import alive, stop_graph
+
 
 class Job:
     def __init__(self, args: argparse.Namespace):
         self.args = args
-        self.log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="bench_fuzz-"))
+        self.log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="fuzz-"))
         self.graph: Graph | None = None
         self.graphs = 0
         self.restarts_left = args.restarts
@@ -233,7 +233,7 @@ class Job:
 
     def say(self, text: str) -> None:
         if not self.args.quiet:
-            print(f"[bench_fuzz {time.strftime('%H:%M:%S')}] {text}", file=sys.stderr,
+            print(f"[fuzz {time.strftime('%H:%M:%S')}] {text}", file=sys.stderr,
                   flush=True)
 
 
@@ -367,7 +367,8 @@ def _mib(v: float | None) -> str:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="bench_fuzz", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.fuzz",
+                                description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="qwen3-tiny", help="built-in model name")
     p.add_argument("--scale", type=float, default=1.0,
                    help="multiplies the three counts below (0.05 for a quick run)")
@@ -409,7 +410,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    args.log_dir = args.log_dir or tempfile.mkdtemp(prefix="bench_fuzz-")
+    args.log_dir = args.log_dir or tempfile.mkdtemp(prefix="fuzz-")
     report = run(args)
     path = Path(args.report or Path(args.log_dir) / "report.json")
     path.write_text(json.dumps(report, indent=1, default=str))
@@ -420,6 +421,3 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

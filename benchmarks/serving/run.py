@@ -1,16 +1,17 @@
 """The benchmark: this server vs mlx_lm.server vs a bare mlx-lm forward loop, on one machine and
 one model, in one run (machines are noisy: only ratios from one run are compared).
 
-    python -m launch.bench [--model qwen3-small | --model-path DIR] [--concurrency 1 2 4 8 16]
-                           [--prompt-tokens 256] [--output-tokens 128] [--out docs/bench]
+    python -m benchmarks.serving [--model qwen3-small | --model-path DIR]
+                                 [--concurrency 1 2 4 8 16] [--prompt-tokens 256]
+                                 [--output-tokens 128] [--out docs/bench]
 
 Each server runs alone on the machine, in turn, driven through the same OpenAI streaming
 endpoint with the same deterministic prompts:
 - sweep: closed-loop concurrency levels, prompt_tokens in, exactly output_tokens out;
 - shared prefix: a 2,000-token common prefix with different suffixes (cold vs cached TTFT);
 - prefill interference: long prompts arriving while others decode (ITL of the decoders).
-The bare ceiling is launch.bench_forward (a tight mlx-lm forward loop, no server) at the same
-batch sizes. Writes results.json and throughput.png under --out, and BENCHMARKS.md.
+The bare ceiling is benchmarks/kernels/forward.py (a tight mlx-lm forward loop, no server) at
+the same batch sizes. Writes results.json and throughput.png under --out, and BENCHMARKS.md.
 """
 
 from __future__ import annotations
@@ -29,10 +30,10 @@ from typing import Any
 
 from tqdm import tqdm
 
-from launch.bench_load import PromptMaker, Target, closed_loop, one, pct, summarize
-from launch.bench_report import write_markdown, write_plot
-from launch.bench_servers import mlx_lm_server, ours
-from launch.benchgraph import ROOT
+from benchmarks.serving.load import PromptMaker, Target, closed_loop, one, pct, summarize
+from benchmarks.serving.report import write_markdown, write_plot
+from benchmarks.serving.servers import mlx_lm_server, ours
+from harness.graph import ROOT
 
 PREFIX_TOKENS, PREFIX_HITS, LONG_PROMPTS = 2000, 6, 2
 
@@ -117,8 +118,8 @@ async def interference(target: Target, plan: Plan, step) -> dict[str, Any]:
 
 def bare_forward(model_dir: str, args: argparse.Namespace) -> dict[str, Any]:
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
-        subprocess.run([sys.executable, "-m", "launch.bench_forward", "--model-path", model_dir,
-                        "--batch-sizes", *map(str, args.concurrency),
+        subprocess.run([sys.executable, "-m", "benchmarks.kernels.forward",
+                        "--model-path", model_dir, "--batch-sizes", *map(str, args.concurrency),
                         "--prompt-tokens", str(args.prompt_tokens),
                         "--output-tokens", str(args.output_tokens), "--blas", args.blas,
                         "--json", f.name], check=True, cwd=ROOT)
@@ -144,7 +145,8 @@ def machine() -> dict[str, Any]:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="bench", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.serving",
+                                description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="qwen3-small", help="built-in model name")
     p.add_argument("--model-path", default="", help="a local mlx-lm model directory instead")
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8, 16])
@@ -169,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     model_dir = resolve_model(args)
     info = read_model_info(model_dir)
     plan = Plan(PromptMaker(load_tokenizer(model_dir)), args)
-    command = "python -m launch.bench " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = "python -m benchmarks.serving " + " ".join(argv if argv is not None else sys.argv[1:])
     results: dict[str, Any] = {
         "command": command.strip(), "date": time.strftime("%Y-%m-%d %H:%M"),
         "machine": machine(), "model": args.model_path or args.model, "blas": blas.find(args.blas)
@@ -193,7 +195,3 @@ def main(argv: list[str] | None = None) -> int:
     text = write_markdown(results, Path(args.markdown), out / "throughput.png")
     print(text)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

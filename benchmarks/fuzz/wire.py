@@ -1,4 +1,4 @@
-"""Raw encoders for the fuzz job (launch/bench_fuzz.py): msgpack and JSON that can say what the
+"""Raw encoders for the fuzz job (benchmarks/fuzz/job.py): msgpack and JSON that can say what the
 server's own encoders refuse to (strings that are not UTF-8, ints at the msgpack limits, float32
 NaNs, ext types, spliced pre-encoded bytes such as 100,000 levels of nesting), and the reading
 of the server's msgspec schemas (field types and numeric bounds) the strategies are built from.

@@ -13,8 +13,8 @@ import time
 import urllib.request
 from typing import Iterator
 
-from launch.bench_load import Target
-from launch.benchgraph import ROOT, start_graph, stop_graph
+from benchmarks.serving.load import Target
+from harness.graph import ROOT, start_graph, stop_graph
 
 # mlx_lm.server in a process that loaded the BLAS first (blas.load must precede mlx).
 _MLX_LM = ("import sys; from actors.model_runner.cpu import blas; blas.load(sys.argv.pop(1)); "

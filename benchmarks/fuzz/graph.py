@@ -1,4 +1,4 @@
-"""The graph under the fuzz + soak job (launch/bench_fuzz.py): started with its JSON logs in a
+"""The graph under the fuzz + soak job (benchmarks/fuzz/job.py): started with its JSON logs in a
 file that is read back as it grows (actor pids, crash records), and watched for a dead launcher
 or actor and the runner's RSS."""
 
@@ -9,7 +9,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from launch.benchgraph import Started, alive, start_graph
+from harness.graph import Started, alive, start_graph
 
 ACTORS = ("tokenizer", "scheduler", "runner", "detokenizer")
 CRASH_EVENTS = ("actor.crashed", "actor.failed", "actor.died", "launch.failed")

@@ -1,0 +1,1 @@
+"""Serving, fuzz and kernel benchmarks: run from the repository root, never installed."""

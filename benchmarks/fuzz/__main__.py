@@ -1,0 +1,5 @@
+import sys
+
+from benchmarks.fuzz.job import main
+
+sys.exit(main())

@@ -1,0 +1,1 @@
+"""Bare-forward and CPU kernel benchmarks: no server, one process."""

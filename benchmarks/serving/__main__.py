@@ -1,0 +1,5 @@
+import sys
+
+from benchmarks.serving.run import main
+
+sys.exit(main())

@@ -1,0 +1,1 @@
+"""Running a real graph from Python: shared by tests and benchmarks."""
