@@ -7,7 +7,8 @@ schedule() is policy only: which running requests decode, how much of which prom
 the chunk budget, who is admitted (FIFO, while memory lasts) and who is retracted. The pieces it
 decides with have their own files: request.py (a request's states and counters), future_map.py
 (decode inputs are futures; steps in flight pin what they carry), batch.py (the ForwardBatch's
-columns), memory.py (KV and state slots, the prefix tree and the ops for the runner).
+columns), retraction.py (who gives memory back when decode runs out), memory.py (KV and state
+slots, the prefix tree and the ops for the runner).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from actors.scheduler.memory import Memory
 from actors.scheduler.outputs import Outputs
 from actors.scheduler.pools import RowPool
 from actors.scheduler.request import Phase, Request
+from actors.scheduler.retraction import pick_victim, recompute_later, would_help
 
 
 class Scheduler:
@@ -200,18 +202,13 @@ class Scheduler:
         want = [r for r in self.running if r.active and not r.prefilling
                 and self.futures.has_future(r) and self._wants_more(r)]
         while not self.memory.make_room(len(want)):
-            victim = min((r for r in self.running if r.active),
-                         key=lambda r: (len(r.output), -r.order))
+            victim = pick_victim(self.running)
             if victim in want:
                 want.remove(victim)
-            others = any(r is not victim and (r.slots or r.lock is not None)
-                         for r in self.requests.values())
-            if not others:
-                # Alone and still out of memory: the server's KV capacity is this request's
-                # length limit. Retracting it could never help.
-                self._finish(victim, "length")
-            else:
+            if would_help(victim, self.requests.values()):
                 victim.retracting = True
+            else:
+                self._finish(victim, "length")
             if victim.inflight == 0:
                 self._settle(victim)
         return want
@@ -260,11 +257,7 @@ class Scheduler:
         """Give back its memory and recompute it later from prompt + output so far."""
         self._free_memory(req)
         self.running.remove(req)
-        req.phase, req.retracting = Phase.QUEUED, False
-        req.fill = req.prompt + req.output
-        req.filled = req.kv_len = 0
-        req.sampled = len(req.output)
-        req.retractions += 1
+        recompute_later(req)
         self.retractions += 1
         self.queue.appendleft(req)
         self._out.retracted.append(req.rid)
