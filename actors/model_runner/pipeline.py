@@ -12,34 +12,31 @@ built. Outside a pipeline's launch (tests, benchmarks) before_host_sync() does n
 
 from __future__ import annotations
 
-import threading
 import time
 import traceback
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator
 
+from actors.model_runner.thread_flag import ThreadFlag
 from protocol import messages as m
 
-_hook = threading.local()  # per thread: the MLX thread builds steps, nothing else does
+# Set on the MLX thread only: it alone builds steps.
+_flush: ThreadFlag[Callable[[], None] | None] = ThreadFlag(None)
 
 
 @contextmanager
 def flush_before_host_sync(flush: Callable[[], None]) -> Iterator[None]:
     """While a step is built inside this block, `flush` runs once, at the first
     before_host_sync() on this thread."""
-    saved = getattr(_hook, "flush", None)
-    _hook.flush = flush
-    try:
+    with _flush.holding(flush):
         yield
-    finally:
-        _hook.flush = saved
 
 
 def before_host_sync() -> None:
     """About to block on MLX values while building a step: flush the previous step first."""
-    flush = getattr(_hook, "flush", None)
+    flush = _flush.get()
     if flush is not None:
-        _hook.flush = None  # once per launch: after the flush nothing is pending
+        _flush.set(None)  # once per launch: after the flush nothing is pending
         flush()
 
 

@@ -25,7 +25,6 @@ values, so it first lets the runner's pipeline send the previous step's result
 from __future__ import annotations
 
 import sys
-import threading
 from contextlib import contextmanager
 from typing import Iterator
 
@@ -35,27 +34,24 @@ import numpy as np
 from mlx_lm.models import activations, base
 
 from actors.model_runner.pipeline import before_host_sync
+from actors.model_runner.thread_flag import ThreadFlag
 
 MIN_ELEMENTS = 1 << 14  # below this, MLX's scalar loop costs less than leaving the graph
 
 _stock_attention = base.scaled_dot_product_attention
 _stock_swiglu = activations.swiglu
-_state = threading.local()
+_on = ThreadFlag(False)
 
 
 @contextmanager
 def active(on: bool = True) -> Iterator[None]:
     """Take the NumPy path on this thread (where install() has patched the model's modules)."""
-    saved = getattr(_state, "on", False)
-    _state.on = on
-    try:
+    with _on.holding(on):
         yield
-    finally:
-        _state.on = saved
 
 
 def _wanted(*arrays: mx.array) -> bool:
-    return (getattr(_state, "on", False) and mx.default_device() == mx.cpu
+    return (_on.get() and mx.default_device() == mx.cpu
             and all(a.dtype == mx.float32 for a in arrays))
 
 

@@ -10,28 +10,25 @@ the last position of their input, so one forward does both: same logits for that
 
 from __future__ import annotations
 
-import threading
 from contextlib import contextmanager
 from typing import Iterator
 
 import mlx.core as mx
 import mlx.nn as nn
 
-_state = threading.local()
+from actors.model_runner.thread_flag import ThreadFlag
+
+_on = ThreadFlag(False)
 
 
 @contextmanager
 def last_only() -> Iterator[None]:
-    before = getattr(_state, "on", False)
-    _state.on = True
-    try:
+    with _on.holding(True):
         yield
-    finally:
-        _state.on = before
 
 
 def _cut(x: mx.array) -> mx.array:
-    return x[..., -1:, :] if getattr(_state, "on", False) and x.ndim == 3 else x
+    return x[..., -1:, :] if _on.get() and x.ndim == 3 else x
 
 
 class _LinearHead:
