@@ -37,7 +37,7 @@ from typing import Any, Awaitable, Callable
 from benchmarks.fuzz import bodies, frames
 from benchmarks.fuzz.cases import Values, cases
 from benchmarks.fuzz.clients import Feed, Tally, http_fuzz, zmq_fuzz
-from benchmarks.fuzz.graph import Graph, start
+from benchmarks.fuzz.watch import Graph, start
 from benchmarks.fuzz.soak import canary, soak
 from harness.graph import alive, stop_graph
 
