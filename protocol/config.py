@@ -71,6 +71,14 @@ class RuntimeConfig(Section):
     # CPU only: the attention softmax and the MLP's SiLU of large (prefill) shapes computed by
     # NumPy, whose exp is vectorized on x86 where MLX's is not (actors/model_runner/cpu/fastmath.py).
     fast_math: bool = True
+    # CPU only: how weights stored in another format than float32 (4-bit, 8-bit, bf16, ...)
+    # are multiplied (actors/model_runner/cpu/weights.py). auto: the compiled kernels (native/)
+    # where they cover the format, else jit; jit: MLX's own kernel for one row, dequantized to
+    # float32 just in time for more rows (forces the fallback); resident: upcast to float32 once
+    # at load, within weight_memory_budget_mib; mlx: MLX's own kernels only.
+    weights: Literal["auto", "jit", "resident", "mlx"] = "auto"
+    # Float32 copies "resident" may keep, in MiB; 0: half the physical memory.
+    weight_memory_budget_mib: Annotated[int, Meta(ge=0)] = 0
 
 
 class MemoryConfig(Section):

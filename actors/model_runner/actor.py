@@ -133,7 +133,12 @@ async def serve(shell: Shell) -> None:
     mlx.start()
     await mlx.loaded
     # What the CPU patches did (cpu/__init__.py): the BLAS in use, the flags, the counts.
-    shell.log.info("runner.blas", **asdict(mlx.runner.cpu))
+    installed = mlx.runner.cpu
+    shell.log.info("runner.blas", **{k: v for k, v in asdict(installed).items() if k != "weights"})
+    shell.log.info("runner.weights", **installed.weights.log_fields())
+    if installed.weights.missing:
+        shell.log.warning("runner.kernels_missing", reason=installed.weights.missing,
+                          fallback="jit")
     await tell_layers(shell, mlx.runner.layers.kinds)
     await shell.ready(model=shell.model.name)
     try:

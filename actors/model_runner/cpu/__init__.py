@@ -2,6 +2,8 @@
 
 - blas.py: the BLAS behind MLX's matmuls, loaded by the runner's entry point before MLX is
   imported (not by install(): by then it is too late);
+- weights.py: weights stored as 4-bit, 8-bit, bf16, ... multiplied by our compiled kernels or
+  a fallback (`runtime.weights`); first, so the float32 patches below see resident upcasts;
 - skinny.py: decode-shaped matmuls as (W @ x.T).T (`runtime.skinny_matmul`, CPU only);
 - fastmath.py: the attention softmax and the SiLU in NumPy (`runtime.fast_math`, CPU only);
 - head.py: the LM head on the last position only while a prompt's last chunk runs. It skips
@@ -20,6 +22,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import mlx.nn as nn
 
+    from actors.model_runner.cpu.weights import WeightPlan
     from protocol.config import RuntimeConfig
 
 
@@ -29,6 +32,7 @@ class Installed:
     the model was patched already (a runner rebuilt after a failed step) or not on the CPU."""
 
     library: str  # the BLAS in use (blas.in_use())
+    weights: WeightPlan  # each weight kind's strategy (cpu/weights.py)
     skinny_matmul: bool  # as configured
     fast_math: bool  # as configured: whether the runner's steps take the NumPy path
     skinny_layers: int  # linear and embedding layers switched to the skinny path
@@ -44,10 +48,12 @@ class Installed:
 
 def install(model: nn.Module, runtime: RuntimeConfig, vocab_size: int) -> Installed:
     """Apply every patch the `[runtime]` config asks for to `model` (in place)."""
-    from actors.model_runner.cpu import blas, fastmath, head, skinny
+    from actors.model_runner.cpu import blas, fastmath, head, skinny, weights
 
+    plan = weights.install(model, runtime)
     return Installed(
         library=blas.in_use(),
+        weights=plan,
         skinny_matmul=runtime.skinny_matmul,
         fast_math=runtime.fast_math,
         skinny_layers=skinny.apply(model) if runtime.skinny_matmul else 0,

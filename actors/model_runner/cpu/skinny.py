@@ -8,8 +8,9 @@ MKL (benchmarks/kernels/skinny.py): 1.2-2x faster for 2-128 rows, equal for 1 ro
 and MLP shapes and on the tied 151,936-row LM head. Same math; the sums are ordered
 differently, so results can differ from x @ W.T in the last bits (like any change of batch).
 
-Only exact nn.Linear and nn.Embedding (tied LM head: as_linear) are changed, only for inputs of
-at most MAX_ROWS rows; prefill chunks keep MLX's own path. Quantized layers are untouched.
+Only exact nn.Linear and nn.Embedding (tied LM head: as_linear) with float32 weights are
+changed, only for inputs of at most MAX_ROWS rows; prefill chunks keep MLX's own path. Layers
+with weights in other formats are weights.py's.
 """
 
 from __future__ import annotations
@@ -52,6 +53,8 @@ def apply(model: nn.Module) -> int:
         return 0
     switched = 0
     for _, module in model.named_modules():
+        if module.get("weight") is None or module.weight.dtype != mx.float32:
+            continue
         if type(module) is nn.Linear:
             module.__class__ = SkinnyLinear
             switched += 1

@@ -1,0 +1,242 @@
+"""Weights kept as stored (4-bit, 8-bit, bf16, ...) and multiplied fast on the CPU (DESIGN 5b).
+
+On x86 CPUs MLX's `quantized_matmul` and its bf16 matmul are scalar code, 5-60x slower than a
+float32 product through MKL, while decode is bound by the bytes of weights read (a 4-bit weight
+is 1/7 of the float32 bytes). Each weight kind (the format of a linear layer's weight, or of a
+tied LM head) gets one strategy, chosen at launch and logged (`runner.weights`):
+
+- "float32": MLX's own matmul through the BLAS; nothing changes.
+- "kernel": our compiled kernels (native/, module `mas_kernels`): affine 4 and 8 bits with
+  groups of 32, 64 or 128, and bf16. They are MLX primitives, so they stay in the lazy graph.
+- "jit": one-row products through MLX's own kernel; products of more rows dequantize the
+  weight to float32 just in time and go through the BLAS.
+- "resident": upcast once to float32 at load (within `runtime.weight_memory_budget_mib`); the
+  layer then is a plain float32 layer and takes every float32 path.
+- "mlx": MLX's own ops for everything (`runtime.weights = "mlx"`, or not on the CPU).
+
+`runtime.weights = "auto"` takes "kernel" where the kernels cover the kind and are built, else
+"jit"; without the compiled kernels (no compiler at install) the launch log says what is
+missing and the runner serves through "jit".
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+KERNEL_BITS = (4, 8)
+KERNEL_GROUPS = (32, 64, 128)
+
+
+def load_kernels() -> tuple[Any, str]:
+    """The compiled kernels module, or None and why not."""
+    try:
+        import mas_kernels
+    except ImportError as e:
+        return None, (f"the compiled CPU kernels (package mas_kernels, built from native/ by "
+                      f"`make setup`) are not installed: {e}")
+    return mas_kernels, ""
+
+
+def kind_of(module: nn.Module) -> str:
+    """The format of a linear or tied-head weight: "affine-4bit-g64", "mxfp4-4bit-g32",
+    "bfloat16", "float32", ..."""
+    if isinstance(module, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
+        return f"{module.mode}-{module.bits}bit-g{module.group_size}"
+    return str(module.weight.dtype).removeprefix("mlx.core.")
+
+
+def _kernel_covers(module: nn.Module) -> bool:
+    if isinstance(module, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
+        k = module.weight.shape[-1] * 32 // module.bits
+        return (module.mode == "affine" and module.bits in KERNEL_BITS
+                and module.group_size in KERNEL_GROUPS and k % module.group_size == 0)
+    return module.weight.dtype == mx.bfloat16
+
+
+# -- products -----------------------------------------------------------------------------
+
+
+def _rows(x: mx.array) -> int:
+    return x.size // x.shape[-1] if x.ndim else 0
+
+
+def _in_f32(x: mx.array, product) -> mx.array:
+    """The kernels take float32 activations; a bf16/fp16 model's come back in its dtype."""
+    if x.dtype == mx.float32:
+        return product(x)
+    return product(x.astype(mx.float32)).astype(x.dtype)
+
+
+def _dequantized(module: nn.Module) -> mx.array:
+    return mx.dequantize(module.weight, module.scales, module.get("biases"),
+                         group_size=module.group_size, bits=module.bits, mode=module.mode)
+
+
+def _quantized_product(module: nn.Module, x: mx.array, strategy: str) -> mx.array:
+    if strategy == "kernel":
+        import mas_kernels
+
+        return _in_f32(x, lambda a: mas_kernels.affine_qmm(
+            a, module.weight, module.scales, module["biases"], module.group_size, module.bits))
+    if strategy == "jit" and _rows(x) > 1:
+        weight = _dequantized(module)
+        return x @ weight.astype(x.dtype).T
+    return mx.quantized_matmul(x, module.weight, scales=module.scales,
+                               biases=module.get("biases"), transpose=True,
+                               group_size=module.group_size, bits=module.bits, mode=module.mode)
+
+
+def _dense_product(module: nn.Module, x: mx.array, strategy: str) -> mx.array:
+    if strategy == "kernel":
+        import mas_kernels
+
+        return _in_f32(x, lambda a: mas_kernels.bf16_matmul(a, module.weight))
+    return x @ module.weight.T
+
+
+class _Stored:
+    """Mixin of a layer multiplied by its kind's strategy (set per class, see _class_for)."""
+
+    strategy = "mlx"
+
+
+class StoredQuantizedLinear(_Stored, nn.QuantizedLinear):
+    def __call__(self, x: mx.array) -> mx.array:
+        out = _quantized_product(self, x, self.strategy)
+        return out + self["bias"] if "bias" in self else out
+
+
+class StoredQuantizedEmbedding(_Stored, nn.QuantizedEmbedding):
+    def as_linear(self, x: mx.array) -> mx.array:
+        return _quantized_product(self, x, self.strategy)
+
+
+class StoredLinear(_Stored, nn.Linear):
+    def __call__(self, x: mx.array) -> mx.array:
+        out = _dense_product(self, x, self.strategy)
+        return out + self["bias"] if "bias" in self else out
+
+
+class StoredEmbedding(_Stored, nn.Embedding):
+    def as_linear(self, x: mx.array) -> mx.array:
+        return _dense_product(self, x, self.strategy)
+
+
+_BASES = {nn.QuantizedLinear: StoredQuantizedLinear,
+          nn.QuantizedEmbedding: StoredQuantizedEmbedding,
+          nn.Linear: StoredLinear, nn.Embedding: StoredEmbedding}
+_classes: dict[tuple[type, str], type] = {}
+
+
+def _class_for(cls: type, strategy: str) -> type:
+    """One subclass per (layer class, strategy), so the strategy is a class attribute and the
+    module keeps only its arrays."""
+    key = (cls, strategy)
+    if key not in _classes:
+        base = _BASES[cls]
+        _classes[key] = type(f"{base.__name__}{strategy.title()}", (base,),
+                             {"strategy": strategy})
+    return _classes[key]
+
+
+# -- the plan -------------------------------------------------------------------------------
+
+
+@dataclass
+class KindPlan:
+    strategy: str
+    layers: int = 0
+    stored_bytes: int = 0  # the weights as stored (with scales and biases)
+    resident_bytes: int = 0  # float32 copies kept besides ("resident")
+
+
+@dataclass
+class WeightPlan:
+    kinds: dict[str, KindPlan] = field(default_factory=dict)
+    kernels: str = ""  # the kernels' instruction set in use, or "" when not used
+    missing: str = ""  # why the kernels are not used, when "auto" wanted them
+
+    def log_fields(self) -> dict[str, Any]:
+        return {"strategies": {k: p.strategy for k, p in self.kinds.items()},
+                "layers": {k: p.layers for k, p in self.kinds.items()},
+                "stored_mib": round(sum(p.stored_bytes for p in self.kinds.values()) / 2**20, 1),
+                "resident_mib": round(sum(p.resident_bytes for p in self.kinds.values()) / 2**20,
+                                      1),
+                "kernels": self.kernels or "off", "missing": self.missing}
+
+
+def _matmul_modules(model: nn.Module) -> list[nn.Module]:
+    """Linear layers, and embeddings (their as_linear is the tied LM head)."""
+    return [m for _, m in model.named_modules()
+            if type(m) in _BASES or isinstance(m, _Stored)]
+
+
+def _stored_bytes(module: nn.Module) -> int:
+    return sum(a.nbytes for name, a in module.items() if isinstance(a, mx.array)
+               and name in ("weight", "scales", "biases"))
+
+
+def _strategy(module: nn.Module, wanted: str, kernels: Any) -> str:
+    if kind_of(module) == "float32":
+        return "float32"
+    if wanted == "auto":
+        return "kernel" if kernels is not None and _kernel_covers(module) else "jit"
+    return wanted
+
+
+def _budget(runtime: Any) -> int:
+    if runtime.weight_memory_budget_mib:
+        return runtime.weight_memory_budget_mib << 20
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2
+
+
+def _make_resident(module: nn.Module) -> None:
+    """Replace the stored weight by its float32 upcast: the layer becomes a float32 one."""
+    quantized = isinstance(module, (nn.QuantizedLinear, nn.QuantizedEmbedding))
+    weight = _dequantized(module) if quantized else module.weight
+    module.weight = weight.astype(mx.float32)
+    mx.eval(module.weight)
+    for name in ("scales", "biases"):
+        if name in module:
+            del module[name]
+    embedding = isinstance(module, (nn.Embedding, nn.QuantizedEmbedding))
+    module.__class__ = nn.Embedding if embedding else nn.Linear
+
+
+def install(model: nn.Module, runtime: Any) -> WeightPlan:
+    """Choose each weight kind's strategy and switch the layers to it, in place. ValueError
+    (naming the key) when resident float32 copies would not fit the memory budget."""
+    plan = WeightPlan()
+    wanted = runtime.weights if mx.default_device() == mx.cpu else "mlx"
+    kernels = None
+    if wanted == "auto":
+        kernels, plan.missing = load_kernels()
+        plan.kernels = kernels.isa() if kernels is not None else ""
+    modules = _matmul_modules(model)
+    chosen = [(m, kind_of(m), _strategy(m, wanted, kernels)) for m in modules]
+    resident = sum(m.weight.size * 4 * (32 // m.bits if hasattr(m, "bits") else 1)
+                   for m, _, s in chosen if s == "resident")
+    if resident > _budget(runtime):
+        raise ValueError(f"runtime.weights = \"resident\" needs {resident / 2**20:.0f} MiB of "
+                         f"float32 weights; runtime.weight_memory_budget_mib allows "
+                         f"{_budget(runtime) / 2**20:.0f} MiB")
+    for module, kind, strategy in chosen:
+        entry = plan.kinds.setdefault(kind, KindPlan(strategy))
+        entry.layers += 1
+        entry.stored_bytes += _stored_bytes(module)
+        if strategy == "resident":
+            _make_resident(module)
+            entry.resident_bytes += module.weight.nbytes
+        elif strategy != "float32":
+            base = next(b for b in _BASES if isinstance(module, b))
+            module.__class__ = _class_for(base, strategy)
+    if not any(p.strategy == "kernel" for p in plan.kinds.values()):
+        plan.kernels = ""
+    if not any(_kernel_covers(m) for m, kind, _ in chosen if kind != "float32"):
+        plan.missing = ""  # nothing here the kernels would have taken
+    return plan
