@@ -2,7 +2,8 @@
 random weights.
 
 Nothing can be downloaded, so the engine serves models it builds itself. A built-in is a local
-mlx-lm directory (config.json, model.safetensors in float32, tokenizer files) made once per spec.
+mlx-lm directory (config.json, model.safetensors in float32, tokenizer files) made once per spec;
+its 4-bit, 8-bit and bf16 variants are made from it by mlx-lm's converter (models/formats.py).
 
 Plain random init makes greedy decoding repeat one token: with tied embeddings the residual stream is
 mostly the input token's own embedding, so the input token wins the argmax. The init below makes every
@@ -21,6 +22,7 @@ import os
 import shutil
 import sys
 import uuid
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -100,20 +102,32 @@ def spec_hash(spec: ModelSpec) -> str:
 
 
 def ensure_builtin(name: str, cache_dir: Path | None = None, progress: bool = True) -> Path:
-    """The directory of built-in `name`, building it first if this spec was never built here."""
+    """The directory of built-in `name`, building it first if this spec was never built here.
+    A format variant (`qwen3-tiny-4bit`, `qwen3_5-tiny-bf16`, ...: models/formats.py) is the
+    built-in converted by mlx-lm, cached the same way."""
     if name not in BUILTINS:
-        raise KeyError(f"unknown built-in model {name!r}; known: {sorted(BUILTINS)}")
+        from models import formats
+
+        if formats.parse(name) is not None:
+            return formats.ensure_variant(name, cache_dir, progress)
+        raise KeyError(f"unknown built-in model {name!r}; known: {sorted(BUILTINS)}, "
+                       f"and their variants {formats.GRAMMAR}")
     spec = BUILTINS[name]
     cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     final = cache_dir / f"{name}-{spec_hash(spec)}"
+    return build_once(final, lambda scratch: build_model_dir(name, spec, scratch, progress))
+
+
+def build_once(final: Path, build: Callable[[Path], None]) -> Path:
+    """`final`, made by build(scratch) unless it is there already; `scratch` does not exist yet."""
     if final.is_dir():
         return final
-    cache_dir.mkdir(parents=True, exist_ok=True)
+    final.parent.mkdir(parents=True, exist_ok=True)
     # Build beside the final path and rename: a directory under the final name is always complete,
     # and of two concurrent builders the second rename fails and that builder uses the first's result.
-    scratch = cache_dir / f".{final.name}.building-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    scratch = final.parent / f".{final.name}.building-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     try:
-        build_model_dir(name, spec, scratch, progress)
+        build(scratch)
         try:
             scratch.rename(final)
         except OSError:

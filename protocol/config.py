@@ -22,9 +22,16 @@ class Section(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=T
     pass
 
 
+# The built-ins (models/builtin.py) and their format variants (models/formats.py).
+BUILTIN_NAME = (r"^(qwen3-tiny|qwen3-small|qwen3_5-tiny|gemma3-tiny)"
+                r"(-(4|8)bit(-g(32|64|128))?)?(-bf16)?$")
+
+
 class ModelConfig(Section):
     # A built-in model the project builds on first use, used when `path` is empty.
-    builtin: Literal["qwen3-tiny", "qwen3-small", "qwen3_5-tiny", "gemma3-tiny"] = "qwen3-small"
+    # A built-in, or one of its format variants made by mlx_lm.convert (models/formats.py):
+    # qwen3-small-4bit, qwen3-tiny-8bit-g32, qwen3_5-tiny-bf16, qwen3-small-4bit-bf16, ...
+    builtin: Annotated[str, Meta(pattern=BUILTIN_NAME)] = "qwen3-small"
     # Any local mlx-lm model directory (config.json, *.safetensors, tokenizer files).
     path: str = ""
     # Where built-in models are cached; empty: $MAS_CACHE_DIR or ~/.cache/mlx-actor-serve/models.

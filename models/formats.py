@@ -1,0 +1,114 @@
+"""Format variants of the built-ins: the float32 built-in converted by mlx-lm's own converter
+(`mlx_lm.convert`) into the formats people download: affine 4-bit or 8-bit, and bfloat16.
+
+    <builtin>-4bit, <builtin>-8bit          affine quantization, groups of 64
+    <builtin>-4bit-g32, <builtin>-8bit-g128 another group size (32, 64 or 128)
+    <builtin>-bf16                          bfloat16 weights
+    <builtin>-4bit-bf16, ...                quantized, with bfloat16 scales, biases and norms
+
+The quantized variants without -bf16 keep the built-in's float32 for everything the converter
+does not quantize (scales, biases, norms), so the activations stay float32. mlx-community
+checkpoints of bf16 models are of the `-4bit-bf16` kind: bfloat16 scales, biases and
+activations. A variant is cached beside its base, named by the variant and a hash of the base's spec
+hash and FORMAT_VERSION, so a changed base rebuilds it; it is built atomically, as the base is
+(builtin.build_once).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import io
+import json
+import re
+import shutil
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from models import builtin
+
+# Bump when the conversion itself changes: every cached variant then rebuilds.
+FORMAT_VERSION = 1
+GROUP_SIZES = (32, 64, 128)
+_NAME = re.compile(r"(?P<base>.+?)(?:-(?P<bits>4|8)bit(?:-g(?P<group>\d+))?)?(?P<bf16>-bf16)?")
+GRAMMAR = "<builtin>-4bit, -8bit, -4bit-g32 (groups 32, 64, 128), -bf16, -4bit-bf16, ..."
+
+
+@dataclass(frozen=True)
+class Format:
+    bits: int | None = None  # affine quantization bits; None: not quantized
+    group_size: int = 64  # quantization group (weights sharing one scale and bias)
+    dtype: str = "float32"  # everything not quantized: scales, biases, norms, activations
+
+
+def parse(name: str) -> tuple[str, Format] | None:
+    """(base built-in, format) of a variant name; None when `name` is not one. ValueError for
+    a variant of a known built-in in a group size mlx-lm cannot quantize to."""
+    match = _NAME.fullmatch(name)
+    if not match or match["base"] not in builtin.BUILTINS or not (match["bits"] or match["bf16"]):
+        return None
+    group = int(match["group"] or 64)
+    if group not in GROUP_SIZES:
+        raise ValueError(f"{name!r}: quantization groups are {GROUP_SIZES}, not {group}")
+    bits = int(match["bits"]) if match["bits"] else None
+    return match["base"], Format(bits, group, "bfloat16" if match["bf16"] else "float32")
+
+
+def ensure_variant(name: str, cache_dir: Path | None = None, progress: bool = True) -> Path:
+    """The directory of variant `name`, converting its built-in (built first if need be) once."""
+    parsed = parse(name)
+    if parsed is None:
+        raise KeyError(f"unknown format variant {name!r}; variants: {GRAMMAR}")
+    base, fmt = parsed
+    base_hash = builtin.spec_hash(builtin.BUILTINS[base])
+    cache_dir = Path(cache_dir) if cache_dir is not None else builtin.default_cache_dir()
+    final = cache_dir / f"{name}-{variant_hash(base_hash)}"
+    if final.is_dir():  # the launcher finds a cached variant without importing MLX
+        return final
+    _check_groups(name, base, fmt)
+    source = builtin.ensure_builtin(base, cache_dir, progress)
+    config = {"builtin": name, "base": base, "spec_hash": base_hash, "format": asdict(fmt)}
+    return builtin.build_once(final, lambda scratch: convert(source, scratch, fmt, config, progress))
+
+
+def variant_hash(base_hash: str) -> str:
+    return hashlib.sha256(f"{base_hash}/{FORMAT_VERSION}".encode()).hexdigest()[:10]
+
+
+def _check_groups(name: str, base: str, fmt: Format) -> None:
+    """mlx-lm silently leaves float32 a layer whose input width its group does not divide: refuse
+    that instead of building a model that is only partly in the format its name says."""
+    if fmt.bits is None:
+        return
+    spec = builtin.BUILTINS[base]
+    shapes = builtin.weight_shapes(builtin.model_config(base, spec))
+    odd = sorted(p for p, s in shapes.items() if len(s) == 2 and s[-1] % fmt.group_size)
+    if odd:
+        raise ValueError(f"{name!r}: groups of {fmt.group_size} do not divide the input width "
+                         f"of {odd[0]} {shapes[odd[0]]} ({len(odd)} such weights)")
+
+
+def convert(source: Path, out: Path, fmt: Format, marker: dict, progress: bool) -> None:
+    """mlx_lm.convert of the float32 built-in at `source` into `out` (which must not exist), with
+    the base's tokenizer files, and a config.json that says the dtype and which variant this is."""
+    from mlx_lm import convert as mlx_lm_convert
+
+    # The converter prints its steps: to stderr (the launcher's stdout carries its ready line).
+    with contextlib.redirect_stdout(sys.stderr if progress else io.StringIO()):
+        mlx_lm_convert(hf_path=str(source), mlx_path=str(out), quantize=fmt.bits is not None,
+                       q_bits=fmt.bits, q_group_size=fmt.group_size if fmt.bits else None,
+                       dtype=fmt.dtype)
+    # The converter saves the tokenizer again through transformers, which drops settings (Qwen3.5's
+    # ignore_merges) and adds others: the variant gets the base's files, byte for byte.
+    for file in out.iterdir():
+        if file.name not in ("config.json", "README.md") and not file.name.startswith("model"):
+            file.unlink()
+    for file in source.iterdir():
+        if file.name != "config.json" and not file.name.startswith("model"):
+            shutil.copy(file, out / file.name)
+    path = out / "config.json"
+    config = json.loads(path.read_text())
+    # The converter copies the source's torch_dtype even when it casts the weights.
+    config.update(torch_dtype=fmt.dtype, dtype=fmt.dtype, mlx_actor_serve=marker)
+    path.write_text(json.dumps(config, indent=4))

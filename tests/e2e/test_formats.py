@@ -1,0 +1,68 @@
+"""The whole graph on the format variants of the built-ins (4-bit, 8-bit, bf16: models/formats.py),
+each served by `model.path`: greedy token ids, alone and batched, equal mlx_lm.generate on the
+same checkpoint."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from harness.graph import Graph
+from models.builtin import ensure_builtin
+from protocol.client import AsyncClient, Client
+from tests.e2e.oracle import Oracle
+
+pytestmark = pytest.mark.slow
+
+MAX_NEW = 16
+PROMPTS = [
+    "Hello world",
+    "中文的自然语言处理很有趣，我们今天来讨论",
+    "def fibonacci(n):\n    if n < 2:\n        return n\n",
+    "A longer prompt about many things. " * 40,
+]
+KINDS = {  # variant -> the weight kinds the runner must report (runner.weights)
+    "qwen3-tiny-4bit": {"affine-4bit-g64"},
+    "qwen3-tiny-8bit": {"affine-8bit-g64"},
+    "qwen3-tiny-bf16": {"bfloat16"},
+    "qwen3_5-tiny-4bit": {"affine-4bit-g64"},
+    "qwen3-tiny-4bit-bf16": {"affine-4bit-g64"},
+}
+# The format of mlx-community checkpoints of bf16 models: 4-bit weights, bf16 scales and
+# activations. Measured with runtime.weights auto (kernel) and jit ("mlx" matches): over these
+# prompts 2 of 4 differ from mlx-lm within 16 tokens (3 of 4 within 32) where mlx-lm's top-2 gap
+# is 0.25 to 0.75: bf16 logits step by 1/8 to 1/4 here, and the runner's products round
+# differently from MLX's bf16 quantized_matmul.
+BF16_SCALES = pytest.mark.xfail(strict=True, reason="4-bit with bf16 scales: the runner's products "
+                                "round differently from MLX's bf16 quantized_matmul")
+CASES = [pytest.param(n, marks=BF16_SCALES) if n == "qwen3-tiny-4bit-bf16" else n for n in KINDS]
+
+
+async def _batched(address: str) -> list:
+    async with AsyncClient(address) as client:
+        return await asyncio.gather(*[client.generate(p, max_new_tokens=MAX_NEW)
+                                      for p in PROMPTS])
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_served_greedy_equals_mlx_lm_alone_and_batched(model_cache, name):
+    path = ensure_builtin(name, cache_dir=model_cache, progress=False)
+    g = Graph(f"model.path={path}", "scheduler.max_running_requests=8")
+    try:
+        batched = asyncio.run(asyncio.wait_for(_batched(g.address), 120))
+        with Client(g.address, timeout=60) as client:
+            alone = [client.generate(p, max_new_tokens=MAX_NEW) for p in PROMPTS]
+        weights = g.wait_for("runner.weights")
+    finally:
+        assert g.stop() == 0
+    assert weights and set(weights[0]["strategies"]) == KINDS[name], weights
+    oracle = Oracle(str(path))
+    for prompt, b, a in zip(PROMPTS, batched, alone):
+        ids = oracle.tokenizer.encode(prompt)
+        ref = oracle.greedy(ids, MAX_NEW)
+        assert b.prompt_tokens == a.prompt_tokens == len(ids)
+        oracle.check(ids, b.token_ids, ref)
+        oracle.check(ids, a.token_ids, ref)
+    # The continuations are varied, so matching proves something.
+    assert len({tuple(r.token_ids) for r in batched}) == len(PROMPTS)

@@ -1,0 +1,203 @@
+"""Format variants of the built-ins (models/formats.py): 4-bit, 8-bit and bf16 checkpoints made by
+mlx-lm's converter, cached and built atomically like the base, loadable, and still varied."""
+
+import dataclasses
+import json
+import os
+import statistics
+import subprocess
+import sys
+
+import mlx.core as mx
+import mlx.nn as nn
+import pytest
+
+from models import builtin, formats
+from models.formats import Format
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # every load below is local; never reach for the hub
+
+PROMPTS = ["Hello world", "def fibonacci(n):", "人工智能是"]
+QUANTIZED = {  # name -> (bits, group size, dtype of scales, biases and norms)
+    "qwen3-tiny-4bit": (4, 64, mx.float32),
+    "qwen3-tiny-8bit": (8, 64, mx.float32),
+    "qwen3-tiny-4bit-bf16": (4, 64, mx.bfloat16),
+    "qwen3-tiny-4bit-g32": (4, 32, mx.float32),
+    "qwen3_5-tiny-4bit": (4, 64, mx.float32),
+    "gemma3-tiny-4bit": (4, 64, mx.float32),
+}
+BF16 = ["qwen3-tiny-bf16", "qwen3_5-tiny-bf16"]
+FAST = {"qwen3-tiny-4bit", "qwen3-tiny-8bit", "qwen3-tiny-bf16"}  # the rest build or decode slowly
+
+
+def cases(names):
+    return [pytest.param(n, marks=() if n in FAST else pytest.mark.slow) for n in names]
+
+
+@pytest.fixture(scope="session")
+def variant(model_cache):
+    """name -> (directory, model, tokenizer), each built and loaded once per session."""
+    import mlx_lm
+
+    cache = {}
+
+    def load(name):
+        if name not in cache:
+            directory = builtin.ensure_builtin(name, model_cache, progress=False)
+            cache[name] = (directory, *mlx_lm.load(str(directory)))
+        return cache[name]
+
+    return load
+
+
+def stored_dtypes(directory) -> dict[str, mx.Dtype]:
+    return {k: v.dtype for k, v in mx.load(str(directory / "model.safetensors")).items()}
+
+
+@pytest.mark.parametrize("name, parsed", [
+    ("qwen3-tiny-4bit", ("qwen3-tiny", Format(4, 64, "float32"))),
+    ("qwen3_5-tiny-8bit-g128", ("qwen3_5-tiny", Format(8, 128, "float32"))),
+    ("gemma3-tiny-bf16", ("gemma3-tiny", Format(None, 64, "bfloat16"))),
+    ("qwen3-small-4bit-g32-bf16", ("qwen3-small", Format(4, 32, "bfloat16"))),
+    ("qwen3-tiny", None), ("qwen3-tiny-3bit", None), ("llama-4bit", None),
+    ("qwen3-tiny-bf16-4bit", None), ("qwen3-tiny-g32", None),
+])  # fmt: skip
+def test_variant_names(name, parsed):
+    assert formats.parse(name) == parsed
+
+
+def test_unknown_names_and_groups_are_refused_before_building(tmp_path):
+    with pytest.raises(KeyError, match="-4bit"):
+        builtin.ensure_builtin("qwen3-tiny-3bit", tmp_path)
+    with pytest.raises(ValueError, match="not 48"):
+        builtin.ensure_builtin("qwen3-tiny-4bit-g48", tmp_path)
+    # mlx-lm would leave every layer 64 wide in float32 and call the result 4-bit.
+    with pytest.raises(ValueError, match="groups of 128 do not divide"):
+        builtin.ensure_builtin("qwen3-tiny-4bit-g128", tmp_path)
+    assert not list(tmp_path.iterdir())
+
+
+def test_folder_is_named_by_variant_and_base_spec(monkeypatch, tmp_path):
+    """A changed base spec is a new folder for its variants too; the converter is not run
+    again for a folder that is there."""
+    made = []
+
+    def fake_build(name, spec, directory, progress=True):
+        directory.mkdir(parents=True)
+
+    def fake_convert(source, out, fmt, marker, progress):
+        made.append(out)
+        out.mkdir()
+
+    monkeypatch.setattr(builtin, "build_model_dir", fake_build)
+    monkeypatch.setattr(formats, "convert", fake_convert)
+    spec = builtin.BUILTINS["qwen3-tiny"]
+    first = builtin.ensure_builtin("qwen3-tiny-4bit", tmp_path)
+    assert first.name == f"qwen3-tiny-4bit-{formats.variant_hash(builtin.spec_hash(spec))}"
+    assert builtin.ensure_builtin("qwen3-tiny-4bit", tmp_path) == first and len(made) == 1
+    monkeypatch.setitem(builtin.BUILTINS, "qwen3-tiny", dataclasses.replace(spec, embed_std=0.03))
+    second = builtin.ensure_builtin("qwen3-tiny-4bit", tmp_path)
+    assert second != first and len(made) == 2
+
+
+def test_cached_variant_is_returned_without_converting(variant, model_cache, monkeypatch):
+    directory, _, _ = variant("qwen3-tiny-4bit")
+    before = (directory / "model.safetensors").stat().st_mtime_ns
+
+    def refuse(*args):
+        raise AssertionError("converted again")
+
+    monkeypatch.setattr(formats, "convert", refuse)
+    assert builtin.ensure_builtin("qwen3-tiny-4bit", model_cache, progress=False) == directory
+    assert (directory / "model.safetensors").stat().st_mtime_ns == before
+    assert not [p for p in model_cache.iterdir() if ".building-" in p.name]
+
+
+@pytest.mark.slow
+def test_concurrent_variant_builds_agree(tmp_path):
+    """Two processes race to build a variant (and its base) into one empty cache."""
+    code = ("import sys; from models import builtin; "
+            "print(builtin.ensure_builtin('qwen3-tiny-8bit', sys.argv[1], progress=False))")
+    command = [sys.executable, "-c", code, str(tmp_path)]
+    racers = [subprocess.Popen(command, stdout=subprocess.PIPE, text=True) for _ in range(2)]
+    outputs = [racer.communicate(timeout=180)[0].strip() for racer in racers]
+    assert all(racer.returncode == 0 for racer in racers)
+    assert outputs[0] == outputs[1] and os.path.basename(outputs[0]).startswith("qwen3-tiny-8bit-")
+    assert len(list(tmp_path.iterdir())) == 2  # the variant and its base, no scratch left
+
+
+@pytest.mark.parametrize("name", cases(QUANTIZED))
+def test_quantized_variant_says_its_format_and_loads_quantized(variant, name):
+    bits, group, dtype = QUANTIZED[name]
+    directory, model, tokenizer = variant(name)
+    assert {"config.json", "tokenizer.json", "tokenizer_config.json"} <= {
+        p.name for p in directory.iterdir()}
+    config = json.loads((directory / "config.json").read_text())
+    expected = {"group_size": group, "bits": bits, "mode": "affine"}
+    assert config["quantization"] == config["quantization_config"] == expected
+    assert config["torch_dtype"] == config["dtype"] == str(dtype).removeprefix("mlx.core.")
+    assert config["mlx_actor_serve"]["builtin"] == name
+    stored = stored_dtypes(directory)
+    assert [d for k, d in stored.items() if k.endswith("embed_tokens.weight")] == [mx.uint32]
+    assert {stored[k] for k in stored if k.endswith((".scales", ".biases"))} == {dtype}
+    linears = [m for _, m in model.named_modules() if isinstance(m, nn.Linear)]
+    quantized = [m for _, m in model.named_modules() if isinstance(m, nn.QuantizedLinear)]
+    assert quantized and not linears  # every projection is quantized, none left float
+    assert {(m.bits, m.group_size) for m in quantized} == {(bits, group)}
+    assert isinstance(model.model.embed_tokens, nn.QuantizedEmbedding)  # and the tied LM head
+
+
+@pytest.mark.parametrize("name", cases(["qwen3-tiny-4bit", "qwen3_5-tiny-bf16"]))
+def test_tokenizer_files_are_the_bases(variant, model_cache, name):
+    """Not transformers' re-save, which drops Qwen3.5's ignore_merges and adds local paths."""
+    directory, _, _ = variant(name)
+    base = builtin.ensure_builtin(formats.parse(name)[0], model_cache, progress=False)
+    files = sorted(p.name for p in base.iterdir() if p.name.startswith("tokenizer"))
+    assert files == sorted(p.name for p in directory.iterdir() if p.name.startswith(("tok", "chat")))
+    assert all((base / f).read_bytes() == (directory / f).read_bytes() for f in files)
+
+
+@pytest.mark.parametrize("name", cases(BF16))
+def test_bf16_variant_stores_bfloat16(variant, name):
+    directory, model, _ = variant(name)
+    config = json.loads((directory / "config.json").read_text())
+    assert config["torch_dtype"] == config["dtype"] == "bfloat16"
+    assert "quantization" not in config
+    stored = stored_dtypes(directory)
+    # mlx-lm keeps the gated-delta decay rates (A_log) in float32, as in real Qwen3.5 checkpoints.
+    assert {k for k, d in stored.items() if d != mx.bfloat16} <= {
+        k for k in stored if k.endswith("A_log")}
+    assert model.model.embed_tokens.weight.dtype == mx.bfloat16
+
+
+def greedy(model, prompt_ids: list[int], steps: int) -> tuple[list[int], list[float]]:
+    from mlx_lm.generate import generate_step
+
+    tokens, gaps = [], []
+    for token, logprobs in generate_step(mx.array(prompt_ids), model, max_tokens=steps):
+        top2 = mx.sort(logprobs.astype(mx.float32))[-2:]
+        gaps.append((top2[1] - top2[0]).item())
+        tokens.append(int(token))
+    return tokens, gaps
+
+
+@pytest.mark.parametrize("name", cases([*QUANTIZED, *BF16]))
+def test_greedy_continuations_stay_varied(variant, name):
+    """Quantizing random weights does not collapse them to one repeated token. (It does change
+    the function: a 4-bit variant's greedy tokens differ from its float32 base's within the first
+    token or two, so a variant is checked against mlx-lm on itself, never against its base.)"""
+    _, model, tokenizer = variant(name)
+    continuations, gaps = [], []
+    for prompt in PROMPTS:
+        tokens, step_gaps = greedy(model, tokenizer.encode(prompt), steps=32)
+        continuations.append(tuple(tokens))
+        gaps += step_gaps
+        assert len(set(tokens)) >= 12, (prompt, tokenizer.decode(tokens))
+    assert len(set(continuations)) == len(PROMPTS)
+    assert statistics.median(gaps) > 0.3
+    if "bf16" not in name:
+        # float32 activations: winners as clear as the base's (measured over these 96 steps: the
+        # smallest gap 2.5e-3 to 0.04, none under 1e-3).
+        assert sum(gap < 1e-3 for gap in gaps) <= 2
+    # bfloat16 logits are multiples of 1/16 to 1/4 at these sizes: exact ties are part of the
+    # format (measured: 8 to 10 of these 96 steps have a top-2 gap of exactly 0).
