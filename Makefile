@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 CONFIG ?= configs/qwen.toml
 
-.PHONY: setup serve test test-fast clean
+.PHONY: setup kernels serve test test-fast clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -12,6 +12,20 @@ $(BIN)/python:
 
 setup: $(BIN)/python
 	$(BIN)/python -m pip install --quiet -e ".[test]"
+	@$(MAKE) --no-print-directory kernels
+
+# The CPU kernels for stored weight formats (native/: an MLX extension built with CMake against
+# the venv's own mlx, hence no build isolation). Optional: without a compiler the server still
+# runs, through the fallback (runtime.weights), and says so at launch.
+KERNEL_SOURCES := $(shell find native -type f -not -path '*/build/*' -not -name '*.pyc' 2>/dev/null)
+kernels: $(VENV)/.kernels-built
+
+$(VENV)/.kernels-built: $(KERNEL_SOURCES) | $(BIN)/python
+	@$(BIN)/python -m pip install --quiet -r native/build-requirements.txt \
+	  && $(BIN)/python -m pip install --quiet --no-build-isolation ./native \
+	  && touch $@ \
+	  || echo "make: the CPU kernels (native/) were not built; the server runs without them" \
+	          "(runtime.weights falls back to jit and says so at launch)" >&2
 
 serve: setup
 	$(BIN)/launch --config $(CONFIG)

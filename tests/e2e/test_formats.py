@@ -5,9 +5,11 @@ same checkpoint."""
 from __future__ import annotations
 
 import asyncio
+import os
 
 import pytest
 
+from actors.model_runner.cpu.weights import load_kernels
 from harness.graph import Graph
 from models.builtin import ensure_builtin
 from protocol.client import AsyncClient, Client
@@ -16,6 +18,7 @@ from tests.e2e.oracle import Oracle
 pytestmark = pytest.mark.slow
 
 MAX_NEW = 16
+KERNELS = load_kernels()[0] is not None
 PROMPTS = [
     "Hello world",
     "中文的自然语言处理很有趣，我们今天来讨论",
@@ -57,6 +60,8 @@ def test_served_greedy_equals_mlx_lm_alone_and_batched(model_cache, name):
     finally:
         assert g.stop() == 0
     assert weights and set(weights[0]["strategies"]) == KINDS[name], weights
+    if KERNELS:  # built here: every kind of these variants is one the kernels cover
+        assert set(weights[0]["strategies"].values()) == {"kernel"}, weights
     oracle = Oracle(str(path))
     for prompt, b, a in zip(PROMPTS, batched, alone):
         ids = oracle.tokenizer.encode(prompt)
@@ -66,3 +71,43 @@ def test_served_greedy_equals_mlx_lm_alone_and_batched(model_cache, name):
         oracle.check(ids, a.token_ids, ref)
     # The continuations are varied, so matching proves something.
     assert len({tuple(r.token_ids) for r in batched}) == len(PROMPTS)
+
+
+def _shadow_kernels(tmp_path, monkeypatch) -> None:
+    """The graph's processes find a mas_kernels that cannot be imported, as on a machine where
+    `make setup` had no compiler to build it."""
+    shadow = tmp_path / "shadow" / "mas_kernels"
+    shadow.mkdir(parents=True)
+    (shadow / "__init__.py").write_text(
+        'raise ImportError("simulated: native/ was not built (no C++ compiler)")\n')
+    path = os.environ.get("PYTHONPATH", "")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(shadow.parent), path])))
+
+
+@pytest.mark.parametrize("how", ["runtime.weights=jit", "no kernels built"])
+def test_fallback_serves_the_same_tokens(model_cache, tmp_path, monkeypatch, how):
+    """The fallback, forced by the config key or because the kernels are not there, serves
+    mlx-lm's greedy tokens; without kernels the launch says what is missing."""
+    path = ensure_builtin("qwen3-tiny-4bit", cache_dir=model_cache, progress=False)
+    overrides = [f"model.path={path}"]
+    if how == "no kernels built":
+        _shadow_kernels(tmp_path, monkeypatch)
+    else:
+        overrides.append(how)
+    g = Graph(*overrides)
+    try:
+        with Client(g.address, timeout=60) as client:
+            got = [client.generate(p, max_new_tokens=MAX_NEW) for p in PROMPTS[:2]]
+        weights = g.wait_for("runner.weights")
+        missing = g.events("runner.kernels_missing")
+    finally:
+        assert g.stop() == 0
+    assert weights[0]["strategies"] == {"affine-4bit-g64": "jit"}
+    if how == "no kernels built":
+        assert missing and "simulated: native/ was not built" in missing[0]["reason"]
+    else:
+        assert not missing  # asked for by the config: nothing to warn about
+    oracle = Oracle(str(path))
+    for prompt, r in zip(PROMPTS, got):
+        ids = oracle.tokenizer.encode(prompt)
+        oracle.check(ids, r.token_ids, oracle.greedy(ids, MAX_NEW))

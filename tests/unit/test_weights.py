@@ -4,6 +4,9 @@ does not fit is refused naming the key, and missing kernels are said, not hidden
 
 from __future__ import annotations
 
+import platform
+import shutil
+
 import mlx.core as mx
 import mlx.nn as nn
 import pytest
@@ -101,3 +104,13 @@ def test_missing_kernels_are_said_and_jit_serves(tiny, monkeypatch):
 def test_skinny_leaves_other_formats_to_weights(tiny):
     model = bf16(tiny)
     assert skinny.apply(model) == 0
+
+
+def test_kernels_are_built_where_a_compiler_is():
+    """`make setup` builds native/ where a C++ compiler and x86-64 are: a build that failed
+    silently would leave every stored format on the fallback, and the kernel tests skipped."""
+    if platform.machine() not in ("x86_64", "AMD64") or not shutil.which("g++"):
+        pytest.skip("no x86-64 C++ compiler here: the fallback serves (tested above)")
+    module, why = weights.load_kernels()
+    assert module is not None, why
+    assert module.isa() in ("avx512", "avx2", "scalar")

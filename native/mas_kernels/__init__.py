@@ -1,0 +1,29 @@
+"""CPU kernels for stored weight formats, as MLX primitives (DESIGN.md section 5b).
+
+    affine_qmm(x, w, scales, biases, group_size=64, bits=4, *, stream=None) -> mx.array
+    bf16_matmul(x, w, *, stream=None) -> mx.array
+
+Both build lazy graph nodes evaluated on MLX's CPU stream. isa() / set_isa(name) report and
+force the instruction-set path; threads() / set_threads(n) the thread count.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from . import _ext
+
+if _ext.mlx_version != mx.__version__:
+    raise ImportError(
+        f"mas_kernels was built against mlx {_ext.mlx_version} but mlx {mx.__version__} is "
+        "installed: rebuild it (pip install --no-build-isolation ./native)")
+
+affine_qmm = _ext.affine_qmm
+bf16_matmul = _ext.bf16_matmul
+isa = _ext.isa
+set_isa = _ext.set_isa
+has_isa = _ext.has_isa
+threads = _ext.threads
+set_threads = _ext.set_threads
+
+__all__ = ["affine_qmm", "bf16_matmul", "has_isa", "isa", "set_isa", "set_threads", "threads"]

@@ -1,0 +1,62 @@
+// Python module mas_kernels._ext (nanobind, in MLX's domain so mx.array converts both ways).
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/variant.h>
+
+#include <stdexcept>
+#include <string>
+
+#include "kernels.h"
+#include "ops.h"
+
+namespace nb = nanobind;
+using namespace nb::literals;
+
+NB_MODULE(_ext, m) {
+  m.doc() = "Quantized (affine) and bfloat16 matmul kernels for MLX on the CPU";
+  m.attr("mlx_version") = MAS_MLX_VERSION;
+
+  m.def("affine_qmm", &mas::affine_qmm, "x"_a, "w"_a, "scales"_a, "biases"_a,
+        "group_size"_a = 64, "bits"_a = 4, nb::kw_only(), "stream"_a = nb::none(),
+        "x [..., K] float32 @ dequantize(w, scales, biases).T -> [..., N] float32.\n\n"
+        "Same result as mx.quantized_matmul(x, w, scales, biases, transpose=True, "
+        "group_size=group_size, bits=bits) for mlx's affine layout; scales and biases may be "
+        "float32, float16 or bfloat16.");
+  m.def("bf16_matmul", &mas::bf16_matmul, "x"_a, "w"_a, nb::kw_only(), "stream"_a = nb::none(),
+        "x [..., K] float32 @ w.T with w bfloat16 [N, K] -> [..., N] float32.");
+
+  m.def("isa", [] { return std::string(mas::isa_name(mas::current_isa())); },
+        "The kernel path in use: 'avx512', 'avx2' or 'scalar'.");
+  m.def(
+      "set_isa",
+      [](const std::string& name) {
+        for (auto isa : {mas::Isa::avx512, mas::Isa::avx2, mas::Isa::scalar}) {
+          if (name != mas::isa_name(isa)) continue;
+          if (!mas::cpu_has(isa)) {
+            throw nb::value_error(("this CPU (or build) has no " + name + " path").c_str());
+          }
+          mas::select_isa(isa);
+          return;
+        }
+        throw nb::value_error(
+            ("unknown path " + name + ": one of 'avx512', 'avx2', 'scalar'").c_str());
+      },
+      "name"_a, "Force a kernel path (for tests and benchmarks); ValueError if the CPU lacks it.");
+  m.def(
+      "has_isa",
+      [](const std::string& name) {
+        for (auto isa : {mas::Isa::avx512, mas::Isa::avx2, mas::Isa::scalar}) {
+          if (name == mas::isa_name(isa)) return mas::cpu_has(isa);
+        }
+        return false;
+      },
+      "name"_a, "Whether this CPU and build can run the named path.");
+  m.def("threads", &mas::num_threads, "Threads a product is split across.");
+  m.def(
+      "set_threads",
+      [](int n) {
+        if (n < 1) throw nb::value_error("set_threads: n must be >= 1");
+        mas::set_num_threads(n);
+      },
+      "n"_a, "Split products across n threads (the calling thread included).");
+}

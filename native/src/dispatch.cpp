@@ -1,0 +1,82 @@
+// Runtime choice of the kernel path: the widest the CPU has, unless a test forces another.
+#include <atomic>
+
+#include "kernels.h"
+
+namespace mas {
+namespace {
+
+bool detect(Isa isa) {
+#if MAS_X86
+  __builtin_cpu_init();
+  switch (isa) {
+    case Isa::avx512:
+      return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+             __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+             __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c") &&
+             __builtin_cpu_supports("bmi2");
+    case Isa::avx2:
+      return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+             __builtin_cpu_supports("f16c") && __builtin_cpu_supports("bmi2");
+    case Isa::scalar:
+      return true;
+  }
+  return false;
+#else
+  return isa == Isa::scalar;
+#endif
+}
+
+Isa best() {
+  if (detect(Isa::avx512)) return Isa::avx512;
+  if (detect(Isa::avx2)) return Isa::avx2;
+  return Isa::scalar;
+}
+
+std::atomic<Isa> g_isa{best()};
+
+}  // namespace
+
+bool cpu_has(Isa isa) { return detect(isa); }
+Isa current_isa() { return g_isa.load(); }
+void select_isa(Isa isa) { g_isa.store(isa); }
+
+const char* isa_name(Isa isa) {
+  switch (isa) {
+    case Isa::avx512:
+      return "avx512";
+    case Isa::avx2:
+      return "avx2";
+    case Isa::scalar:
+      return "scalar";
+  }
+  return "?";
+}
+
+void qmm(const QmmArgs& a) {
+  switch (g_isa.load()) {
+#if MAS_X86
+    case Isa::avx512:
+      return avx512::qmm(a);
+    case Isa::avx2:
+      return avx2::qmm(a);
+#endif
+    default:
+      return scalar::qmm(a);
+  }
+}
+
+void bf16mm(const Bf16Args& a) {
+  switch (g_isa.load()) {
+#if MAS_X86
+    case Isa::avx512:
+      return avx512::bf16mm(a);
+    case Isa::avx2:
+      return avx2::bf16mm(a);
+#endif
+    default:
+      return scalar::bf16mm(a);
+  }
+}
+
+}  // namespace mas

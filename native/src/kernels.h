@@ -1,0 +1,70 @@
+// Plain interface between the MLX glue (ops.cpp) and the per-ISA kernels.
+//
+// Every kernels_<isa>.cpp is compiled with its own target flags. So that no inline function
+// compiled for AVX-512 can be picked by the linker for a caller on another path, the ISA files
+// include only this header and <immintrin.h>, and keep everything else in anonymous namespaces.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+namespace mas {
+
+enum class ScaleType : int { f32 = 0, f16 = 1, bf16 = 2 };
+
+// out[M, N] = x[M, K] @ dequantize(w).T, affine layout (mlx): w is uint32 [N, K*bits/32] with
+// values packed little end first; value = scale * q + bias per row n and group of K.
+struct QmmArgs {
+  const float* x;
+  const uint32_t* w;
+  const void* scales;  // [N, K / group_size], type st
+  const void* biases;
+  ScaleType st;
+  float* out;
+  int64_t M, N, K;
+  int group_size, bits;
+};
+
+// out[M, N] = x[M, K] @ float32(w).T with w bfloat16 [N, K] (raw uint16 bits).
+struct Bf16Args {
+  const float* x;
+  const uint16_t* w;
+  float* out;
+  int64_t M, N, K;
+};
+
+namespace scalar {
+void qmm(const QmmArgs& a);
+void bf16mm(const Bf16Args& a);
+}  // namespace scalar
+namespace avx2 {
+void qmm(const QmmArgs& a);
+void bf16mm(const Bf16Args& a);
+}  // namespace avx2
+namespace avx512 {
+void qmm(const QmmArgs& a);
+void bf16mm(const Bf16Args& a);
+}  // namespace avx512
+
+// dispatch.cpp: the path in use, chosen from the CPU at load time.
+enum class Isa : int { scalar = 0, avx2 = 1, avx512 = 2 };
+Isa current_isa();
+bool cpu_has(Isa isa);
+void select_isa(Isa isa);  // caller checks cpu_has first
+const char* isa_name(Isa isa);
+void qmm(const QmmArgs& a);
+void bf16mm(const Bf16Args& a);
+
+// threads.cpp: one job at a time over a small pool; the calling thread takes part.
+// Runs fn(ctx, t) for t in [0, ntasks), in any order, on up to num_threads() threads.
+void parallel_for(int64_t ntasks, void (*fn)(void* ctx, int64_t task), void* ctx);
+int num_threads();
+void set_num_threads(int n);  // n >= 1
+int default_num_threads();
+
+// A 64-byte aligned buffer of at least `floats` floats owned by the calling thread; `slot`
+// picks one of a few independent buffers (0: prepared activations, 1: dequantized tiles).
+// Valid until the same thread asks for the same slot again.
+float* thread_buffer(int slot, size_t floats);
+
+}  // namespace mas

@@ -1,0 +1,223 @@
+// AVX2 + FMA + F16C path: 8-lane float32 FMAs, weights decoded in registers.
+//
+// 4-bit: 8 bytes (16 values) are broadcast to every 64-bit lane; a variable shift and a mask
+//   bring nibble a of dword d to lane 2a + d, then vcvtdq2ps and one FMA (scale, bias).
+// 8-bit: vpmovzxbd + vcvtdq2ps + FMA per 8 values, k order unchanged.
+// bf16: vpunpck{l,h}wd with zero puts each bf16 in the high half of a float32 lane.
+#include <immintrin.h>
+
+#include "kernels.h"
+
+namespace mas::avx2 {
+namespace {
+
+using vf = __m256;
+constexpr int W = 8;
+constexpr int CH = 16;
+constexpr int64_t kGB = 32;  // groups whose scales are widened at once
+constexpr int kDirectNR1 = 4, kDirectNR = 2;  // rows per direct tile: M = 1, M = 2..4
+constexpr int kMicroMR = 4, kMicroNR = 2;
+
+inline vf vzero() { return _mm256_setzero_ps(); }
+inline vf vload(const float* p) { return _mm256_loadu_ps(p); }
+inline void vstore(float* p, vf v) { _mm256_storeu_ps(p, v); }
+inline vf vadd(vf a, vf b) { return _mm256_add_ps(a, b); }
+inline vf vfma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
+
+inline void reduce(const vf* acc, int n, float* res) {
+  for (int i = 0; i < n; ++i) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc[i]), _mm256_extractf128_ps(acc[i], 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    res[i] = _mm_cvtss_f32(s);
+  }
+}
+
+template <ScaleType ST>
+inline float load_scale(const void* p, int64_t i) {
+  if constexpr (ST == ScaleType::f32) {
+    return static_cast<const float*>(p)[i];
+  } else if constexpr (ST == ScaleType::bf16) {
+    return _mm_cvtss_f32(_mm_castsi128_ps(
+        _mm_cvtsi32_si128(static_cast<int>(static_cast<const uint16_t*>(p)[i]) << 16)));
+  } else {
+    return _cvtsh_ss(static_cast<const uint16_t*>(p)[i]);
+  }
+}
+
+// out[i] = float32(p[i0 + i]) for i < count.
+template <ScaleType ST>
+inline void widen_scales(const void* p, int64_t i0, int64_t count, float* out) {
+  int64_t i = 0;
+  if constexpr (ST == ScaleType::f32) {
+    for (; i < count; ++i) out[i] = static_cast<const float*>(p)[i0 + i];
+  } else {
+    const uint16_t* h = static_cast<const uint16_t*>(p) + i0;
+    for (; i + 8 <= count; i += 8) {
+      const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(h + i));
+      if constexpr (ST == ScaleType::bf16) {
+        _mm256_storeu_ps(out + i, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(v), 16)));
+      } else {
+        _mm256_storeu_ps(out + i, _mm256_cvtph_ps(v));
+      }
+    }
+    for (; i < count; ++i) out[i] = load_scale<ST>(p, i0 + i);
+  }
+}
+
+struct Perms {
+  int q4[CH], id[CH], bf16[CH];
+  constexpr Perms() : q4(), id(), bf16() {
+    for (int i = 0; i < CH; ++i) {
+      const int j = i % 8;
+      q4[i] = 8 * (j % 2) + j / 2 + (i < 8 ? 0 : 4);  // nibble j/2 (+4) of dword j%2
+      id[i] = i;
+      bf16[i] = 8 * (j / 4) + j % 4 + (i < 8 ? 0 : 4);  // 128-bit lane j/4, word j%4 (+4)
+    }
+  }
+};
+constexpr Perms kPerms{};  // built by the compiler: no code of this file runs at load time
+
+// The fields and widen() of the two affine formats.
+template <ScaleType ST>
+struct Affine {
+  static constexpr bool kTail = false;
+  const uint8_t* w;
+  const void *s, *b;
+  int64_t row_bytes, ngroups, cpg;
+  bool has_tail = false;
+
+  struct Row {
+    const uint8_t* w;
+    int64_t g0;  // index of the row's first scale
+  };
+  struct Grp {
+    vf scale, bias;
+  };
+  Row row(int64_t n) const { return {w + n * row_bytes, n * ngroups}; }
+  void widen(const Row& r, int64_t g0, int64_t count, float* so, float* bo) const {
+    widen_scales<ST>(s, r.g0 + g0, count, so);
+    widen_scales<ST>(b, r.g0 + g0, count, bo);
+  }
+  Grp group(float scale, float bias) const { return {_mm256_set1_ps(scale), _mm256_set1_ps(bias)}; }
+  void tail(const Row&, int64_t, vf&, vf&) const {}
+};
+
+template <ScaleType ST>
+struct Q4 : Affine<ST> {
+  static constexpr int kBytes = 8;  // per chunk
+  const int* perm = kPerms.q4;
+  using Row = typename Affine<ST>::Row;
+  using Grp = typename Affine<ST>::Grp;
+
+  void prefetch(const Row& r, int64_t c, int rows_ahead) const {
+    _mm_prefetch(reinterpret_cast<const char*>(r.w + rows_ahead * this->row_bytes + c * kBytes),
+                 _MM_HINT_T0);
+  }
+  void chunk(const Row& r, int64_t c, const Grp& g, vf& w0, vf& w1) const {
+    const __m256i sh0 = _mm256_setr_epi32(0, 0, 4, 4, 8, 8, 12, 12);
+    const __m256i sh1 = _mm256_add_epi32(sh0, _mm256_set1_epi32(16));
+    const __m256i mask = _mm256_set1_epi32(15);
+    long long bits;
+    __builtin_memcpy(&bits, r.w + c * kBytes, 8);
+    const __m256i v = _mm256_set1_epi64x(bits);
+    const __m256i q0 = _mm256_and_si256(_mm256_srlv_epi32(v, sh0), mask);
+    const __m256i q1 = _mm256_and_si256(_mm256_srlv_epi32(v, sh1), mask);
+    w0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q0), g.scale, g.bias);
+    w1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q1), g.scale, g.bias);
+  }
+};
+
+template <ScaleType ST>
+struct Q8 : Affine<ST> {
+  static constexpr int kBytes = 16;  // per chunk
+  const int* perm = kPerms.id;
+  using Row = typename Affine<ST>::Row;
+  using Grp = typename Affine<ST>::Grp;
+
+  void prefetch(const Row& r, int64_t c, int rows_ahead) const {
+    _mm_prefetch(reinterpret_cast<const char*>(r.w + rows_ahead * this->row_bytes + c * kBytes),
+                 _MM_HINT_T0);
+  }
+  void chunk(const Row& r, int64_t c, const Grp& g, vf& w0, vf& w1) const {
+    const uint8_t* p = r.w + c * kBytes;
+    const __m256i q0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+    const __m256i q1 =
+        _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8)));
+    w0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q0), g.scale, g.bias);
+    w1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q1), g.scale, g.bias);
+  }
+};
+
+struct Bf16 {
+  static constexpr bool kTail = true;
+  const uint16_t* w;
+  int64_t K, ngroups, cpg = 1;  // a "group" is one chunk
+  const int* perm = kPerms.bf16;
+  bool has_tail;
+
+  struct Row {
+    const uint16_t* w;
+  };
+  struct Grp {};
+  Row row(int64_t n) const { return {w + n * K}; }
+  void widen(const Row&, int64_t, int64_t, float*, float*) const {}
+  Grp group(float, float) const { return {}; }
+  void prefetch(const Row& r, int64_t c, int rows_ahead) const {
+    _mm_prefetch(reinterpret_cast<const char*>(r.w + rows_ahead * K + c * CH), _MM_HINT_T0);
+  }
+  static void widen16(__m256i v, vf& w0, vf& w1) {
+    const __m256i z = _mm256_setzero_si256();
+    w0 = _mm256_castsi256_ps(_mm256_unpacklo_epi16(z, v));
+    w1 = _mm256_castsi256_ps(_mm256_unpackhi_epi16(z, v));
+  }
+  void chunk(const Row& r, int64_t c, const Grp&, vf& w0, vf& w1) const {
+    widen16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(r.w + c * CH)), w0, w1);
+  }
+  void tail(const Row& r, int64_t c, vf& w0, vf& w1) const {
+    alignas(32) uint16_t buf[CH] = {};
+    for (int64_t i = 0; i < K - c * CH; ++i) buf[i] = r.w[c * CH + i];
+    widen16(_mm256_load_si256(reinterpret_cast<const __m256i*>(buf)), w0, w1);
+  }
+};
+
+#include "driver.inc"
+
+template <template <ScaleType> class F>
+void qmm_as(const QmmArgs& a) {
+  const int64_t row_bytes = a.K * a.bits / 8, ngroups = a.K / a.group_size;
+  const int64_t cpg = a.group_size / CH;
+  const double bytes = static_cast<double>(row_bytes) + 2.0 * ngroups * (a.st == ScaleType::f32 ? 4 : 2);
+  const auto* w = reinterpret_cast<const uint8_t*>(a.w);
+  switch (a.st) {
+    case ScaleType::f32: {
+      F<ScaleType::f32> f{{w, a.scales, a.biases, row_bytes, ngroups, cpg}};
+      return run(f, a.x, a.out, a.M, a.N, a.K, bytes);
+    }
+    case ScaleType::f16: {
+      F<ScaleType::f16> f{{w, a.scales, a.biases, row_bytes, ngroups, cpg}};
+      return run(f, a.x, a.out, a.M, a.N, a.K, bytes);
+    }
+    case ScaleType::bf16: {
+      F<ScaleType::bf16> f{{w, a.scales, a.biases, row_bytes, ngroups, cpg}};
+      return run(f, a.x, a.out, a.M, a.N, a.K, bytes);
+    }
+  }
+}
+
+}  // namespace
+
+void qmm(const QmmArgs& a) {
+  if (a.bits == 4) {
+    qmm_as<Q4>(a);
+  } else {
+    qmm_as<Q8>(a);
+  }
+}
+
+void bf16mm(const Bf16Args& a) {
+  Bf16 f{a.w, a.K, a.K / CH, 1, kPerms.bf16, a.K % CH != 0};
+  run(f, a.x, a.out, a.M, a.N, a.K, 2.0 * a.K);
+}
+
+}  // namespace mas::avx2

@@ -1,0 +1,223 @@
+// MLX glue: argument checks, the graph nodes, and their CPU evaluation through the stream's
+// command encoder (the work runs in order on MLX's CPU stream thread, never eagerly).
+#include "ops.h"
+
+#include <cstring>
+#include <sstream>
+#include <stdexcept>
+
+#include "kernels.h"
+#include "mlx/allocator.h"
+#include "mlx/backend/cpu/encoder.h"
+
+namespace mas {
+namespace {
+
+std::string shape_str(const mx::Shape& s) {
+  std::ostringstream os;
+  os << "(";
+  for (size_t i = 0; i < s.size(); ++i) os << (i ? ", " : "") << s[i];
+  os << (s.size() == 1 ? ",)" : ")");
+  return os.str();
+}
+
+mx::Stream cpu_stream(mx::StreamOrDevice s, const char* op) {
+  mx::Stream stream = mx::to_stream(s);
+  if (stream.device != mx::Device::cpu) {
+    throw std::invalid_argument(std::string("mas_kernels.") + op +
+                                " runs on the CPU only: pass stream=mx.cpu (or use MLX's own "
+                                "kernel on the GPU)");
+  }
+  return stream;
+}
+
+mx::Shape out_shape(const mx::array& x, const mx::array& w) {
+  mx::Shape shape = x.shape();
+  shape.back() = w.shape(0);
+  return shape;
+}
+
+// Copy `n` items of `item` bytes laid out by shape/strides (in items) into dst, row-major.
+void strided_copy(const char* src, char* dst, const mx::Shape& shape, const mx::Strides& strides,
+                  size_t item) {
+  const int nd = static_cast<int>(shape.size());
+  size_t total = 1;
+  for (int d = 0; d < nd; ++d) total *= static_cast<size_t>(shape[d]);
+  if (total == 0) return;
+  if (nd == 0) {
+    std::memcpy(dst, src, item);
+    return;
+  }
+  std::vector<int64_t> idx(nd, 0);
+  const int64_t inner = shape[nd - 1], inner_stride = strides[nd - 1];
+  for (size_t done = 0; done < total; done += static_cast<size_t>(inner)) {
+    int64_t off = 0;
+    for (int d = 0; d < nd - 1; ++d) off += idx[d] * strides[d];
+    const char* s = src + off * static_cast<int64_t>(item);
+    if (item == 4) {
+      auto* o = reinterpret_cast<uint32_t*>(dst);
+      for (int64_t i = 0; i < inner; ++i) std::memcpy(o + i, s + i * inner_stride * 4, 4);
+    } else {
+      for (int64_t i = 0; i < inner; ++i) {
+        std::memcpy(dst + i * item, s + i * inner_stride * static_cast<int64_t>(item), item);
+      }
+    }
+    dst += inner * static_cast<int64_t>(item);
+    for (int d = nd - 2; d >= 0; --d) {
+      if (++idx[d] < shape[d]) break;
+      idx[d] = 0;
+    }
+  }
+}
+
+// `a` itself when row-contiguous, else a row-major copy made on the stream (in order, before
+// the kernel that reads it) and kept alive by the encoder until that kernel has run.
+mx::array row_contiguous(const mx::array& a, mx::cpu::CommandEncoder& enc) {
+  if (a.flags().row_contiguous) return a;
+  mx::array c(mx::allocator::malloc(a.nbytes()), a.shape(), a.dtype());
+  enc.set_input_array(a);
+  enc.set_output_array(c);
+  enc.dispatch([src = a.data<char>(), dst = c.data<char>(), shape = a.shape(),
+                strides = a.strides(), item = a.itemsize()]() {
+    strided_copy(src, dst, shape, strides, item);
+  });
+  enc.add_temporary(c);
+  return c;
+}
+
+ScaleType scale_type(mx::Dtype t) {
+  if (t == mx::float32) return ScaleType::f32;
+  if (t == mx::float16) return ScaleType::f16;
+  return ScaleType::bf16;
+}
+
+}  // namespace
+
+mx::array affine_qmm(const mx::array& x, const mx::array& w, const mx::array& scales,
+                     const mx::array& biases, int group_size, int bits, mx::StreamOrDevice s) {
+  if (bits != 4 && bits != 8) {
+    throw std::invalid_argument("affine_qmm: bits must be 4 or 8, got " + std::to_string(bits));
+  }
+  if (group_size != 32 && group_size != 64 && group_size != 128) {
+    throw std::invalid_argument("affine_qmm: group_size must be 32, 64 or 128, got " +
+                                std::to_string(group_size));
+  }
+  if (x.dtype() != mx::float32) {
+    throw std::invalid_argument("affine_qmm: x must be float32");
+  }
+  if (w.dtype() != mx::uint32 || w.ndim() != 2) {
+    throw std::invalid_argument("affine_qmm: w must be a 2-D uint32 array [N, K*bits/32], got " +
+                                shape_str(w.shape()));
+  }
+  const mx::Dtype st = scales.dtype();
+  if (st != mx::float32 && st != mx::float16 && st != mx::bfloat16) {
+    throw std::invalid_argument("affine_qmm: scales must be float32, float16 or bfloat16");
+  }
+  if (biases.dtype() != st) {
+    throw std::invalid_argument("affine_qmm: biases must have the dtype of scales");
+  }
+  if (x.ndim() < 1) throw std::invalid_argument("affine_qmm: x must have at least 1 dimension");
+  const int64_t K = x.shape(-1), N = w.shape(0);
+  if (K == 0) throw std::invalid_argument("affine_qmm: K (the last dimension of x) is 0");
+  if (static_cast<int64_t>(w.shape(1)) * 32 / bits != K || K % group_size != 0) {
+    throw std::invalid_argument("affine_qmm: x " + shape_str(x.shape()) + " does not match w " +
+                                shape_str(w.shape()) + " at " + std::to_string(bits) +
+                                " bits, group size " + std::to_string(group_size));
+  }
+  const mx::Shape sshape = {static_cast<int>(N), static_cast<int>(K / group_size)};
+  if (scales.shape() != sshape || biases.shape() != sshape) {
+    throw std::invalid_argument("affine_qmm: scales and biases must be " + shape_str(sshape) +
+                                ", got " + shape_str(scales.shape()) + " and " +
+                                shape_str(biases.shape()));
+  }
+  mx::Stream stream = cpu_stream(s, "affine_qmm");
+  return mx::array(out_shape(x, w), mx::float32,
+                   std::make_shared<AffineQmm>(stream, group_size, bits),
+                   {x, w, scales, biases});
+}
+
+void AffineQmm::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
+  auto& enc = mx::cpu::get_command_encoder(stream());
+  out.set_data(mx::allocator::malloc(out.nbytes()));
+  if (out.size() == 0) return;
+  mx::array x = row_contiguous(inputs[0], enc);
+  mx::array w = row_contiguous(inputs[1], enc);
+  mx::array sc = row_contiguous(inputs[2], enc);
+  mx::array bi = row_contiguous(inputs[3], enc);
+  for (const auto& a : {x, w, sc, bi}) enc.set_input_array(a);
+  enc.set_output_array(out);
+  QmmArgs args;
+  args.x = x.data<float>();
+  args.w = w.data<uint32_t>();
+  args.scales = sc.data<void>();
+  args.biases = bi.data<void>();
+  args.st = scale_type(sc.dtype());
+  args.out = out.data<float>();
+  args.K = x.shape(-1);
+  args.M = static_cast<int64_t>(x.size()) / args.K;
+  args.N = w.shape(0);
+  args.group_size = group_size_;
+  args.bits = bits_;
+  enc.dispatch([args]() { qmm(args); });
+}
+
+void AffineQmm::eval_gpu(const std::vector<mx::array>&, mx::array&) {
+  throw std::runtime_error(
+      "mas_kernels.affine_qmm has no GPU kernel: use mx.quantized_matmul on the GPU");
+}
+
+bool AffineQmm::is_equivalent(const mx::Primitive& other) const {
+  const auto& o = static_cast<const AffineQmm&>(other);
+  return group_size_ == o.group_size_ && bits_ == o.bits_;
+}
+
+std::vector<mx::Shape> AffineQmm::output_shapes(const std::vector<mx::array>& inputs) {
+  return {out_shape(inputs[0], inputs[1])};
+}
+
+mx::array bf16_matmul(const mx::array& x, const mx::array& w, mx::StreamOrDevice s) {
+  if (x.dtype() != mx::float32) throw std::invalid_argument("bf16_matmul: x must be float32");
+  if (w.dtype() != mx::bfloat16 || w.ndim() != 2) {
+    throw std::invalid_argument("bf16_matmul: w must be a 2-D bfloat16 array [N, K]");
+  }
+  if (x.ndim() < 1 || x.shape(-1) != w.shape(1)) {
+    throw std::invalid_argument("bf16_matmul: x " + shape_str(x.shape()) + " does not match w " +
+                                shape_str(w.shape()));
+  }
+  mx::Stream stream = cpu_stream(s, "bf16_matmul");
+  return mx::array(out_shape(x, w), mx::float32, std::make_shared<Bf16Matmul>(stream), {x, w});
+}
+
+void Bf16Matmul::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
+  auto& enc = mx::cpu::get_command_encoder(stream());
+  out.set_data(mx::allocator::malloc(out.nbytes()));
+  if (out.size() == 0) return;
+  mx::array x = row_contiguous(inputs[0], enc);
+  mx::array w = row_contiguous(inputs[1], enc);
+  enc.set_input_array(x);
+  enc.set_input_array(w);
+  enc.set_output_array(out);
+  Bf16Args args;
+  args.x = x.data<float>();
+  args.w = w.data<uint16_t>();
+  args.out = out.data<float>();
+  args.K = x.shape(-1);
+  args.M = static_cast<int64_t>(x.size()) / args.K;
+  args.N = w.shape(0);
+  if (args.K == 0) {  // empty sum
+    enc.dispatch([o = args.out, n = out.size()]() { std::memset(o, 0, n * sizeof(float)); });
+    return;
+  }
+  enc.dispatch([args]() { bf16mm(args); });
+}
+
+void Bf16Matmul::eval_gpu(const std::vector<mx::array>&, mx::array&) {
+  throw std::runtime_error(
+      "mas_kernels.bf16_matmul has no GPU kernel: use x @ w.T on the GPU");
+}
+
+std::vector<mx::Shape> Bf16Matmul::output_shapes(const std::vector<mx::array>& inputs) {
+  return {out_shape(inputs[0], inputs[1])};
+}
+
+}  // namespace mas

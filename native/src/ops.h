@@ -1,0 +1,45 @@
+// The MLX operations: lazy graph nodes whose CPU evaluation runs our kernels.
+#pragma once
+
+#include "mlx/array.h"
+#include "mlx/primitives.h"
+#include "mlx/utils.h"
+
+namespace mas {
+
+namespace mx = mlx::core;
+
+// x [..., K] float32 @ dequantize(w, scales, biases).T -> [..., N] float32 (mlx affine mode).
+mx::array affine_qmm(const mx::array& x, const mx::array& w, const mx::array& scales,
+                     const mx::array& biases, int group_size, int bits,
+                     mx::StreamOrDevice s = {});
+
+// x [..., K] float32 @ w.T with w bfloat16 [N, K] -> [..., N] float32.
+mx::array bf16_matmul(const mx::array& x, const mx::array& w, mx::StreamOrDevice s = {});
+
+class AffineQmm : public mx::UnaryPrimitive {
+ public:
+  AffineQmm(mx::Stream stream, int group_size, int bits)
+      : mx::UnaryPrimitive(stream), group_size_(group_size), bits_(bits) {}
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+  const char* name() const override { return "MasAffineQmm"; }
+  bool is_equivalent(const mx::Primitive& other) const override;
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override;
+
+ private:
+  int group_size_;
+  int bits_;
+};
+
+class Bf16Matmul : public mx::UnaryPrimitive {
+ public:
+  explicit Bf16Matmul(mx::Stream stream) : mx::UnaryPrimitive(stream) {}
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+  const char* name() const override { return "MasBf16Matmul"; }
+  bool is_equivalent(const mx::Primitive& other) const override { return true; }
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override;
+};
+
+}  // namespace mas

@@ -1,0 +1,206 @@
+// A small thread pool for splitting a product's rows across cores.
+//
+// The calling thread (MLX's stream thread) always takes part and tasks are claimed one at a
+// time from a shared counter, so a worker that wakes late (its core busy with another
+// library's spinning thread) costs nothing: the caller simply takes more tasks. The caller
+// waits only for tasks already claimed. Idle workers spin briefly, then sleep on a futex.
+#include <linux/futex.h>
+#include <pthread.h>
+#include <sched.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <climits>
+
+#include <atomic>
+#include <cstdlib>
+#include <mutex>
+#include <new>
+#include <thread>
+#include <vector>
+
+#include "kernels.h"
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define MAS_PAUSE() _mm_pause()
+#else
+#define MAS_PAUSE() ((void)0)
+#endif
+
+namespace mas {
+namespace {
+
+// How long an idle worker polls for the next job before sleeping, in pause loops (~35 ns each
+// on recent x86): about 60 us, enough to bridge the gap between two layers' products.
+constexpr int kSpinLoops = 2000;
+
+// Raw futex calls on the generation counter (libstdc++ 12's atomic wait/notify can lose a
+// wake-up).
+void futex_wait(std::atomic<uint32_t>* word, uint32_t expected) {
+  syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAIT_PRIVATE, expected, nullptr,
+          nullptr, 0);
+}
+void futex_wake_all(std::atomic<uint32_t>* word) {
+  syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAKE_PRIVATE, INT_MAX, nullptr,
+          nullptr, 0);
+}
+
+struct Job {
+  void (*fn)(void*, int64_t);
+  void* ctx;
+  int64_t ntasks;
+  std::atomic<int64_t> next{0};
+};
+
+struct Pool {
+  explicit Pool(int nworkers) {
+    for (int i = 0; i < nworkers; ++i) {
+      threads.emplace_back([this] { work(); });
+    }
+  }
+
+  // Stop and join the workers.
+  void shutdown() {
+    stop.store(true);
+    gen.fetch_add(1);
+    futex_wake_all(&gen);
+    for (auto& t : threads) t.join();
+    threads.clear();
+  }
+
+  void work() {
+    uint32_t seen = gen.load(std::memory_order_acquire);
+    while (true) {
+      for (int i = 0; i < kSpinLoops && gen.load(std::memory_order_acquire) == seen; ++i) {
+        MAS_PAUSE();
+      }
+      while (gen.load(std::memory_order_acquire) == seen) {
+        sleepers.fetch_add(1);
+        if (gen.load() == seen) futex_wait(&gen, seen);
+        sleepers.fetch_sub(1);
+      }
+      seen = gen.load(std::memory_order_acquire);
+      if (stop.load()) return;
+      inflight.fetch_add(1);
+      Job* job = current.load();
+      if (job != nullptr) {
+        for (int64_t t; (t = job->next.fetch_add(1)) < job->ntasks;) job->fn(job->ctx, t);
+      }
+      inflight.fetch_sub(1, std::memory_order_release);
+    }
+  }
+
+  void run(Job& job) {
+    current.store(&job);
+    gen.fetch_add(1);  // seq_cst: pairs with the worker's sleepers / gen check
+    if (sleepers.load() > 0) futex_wake_all(&gen);
+    for (int64_t t; (t = job.next.fetch_add(1)) < job.ntasks;) job.fn(job.ctx, t);
+    current.store(nullptr);
+    // A worker that loaded `current` before the store above counted itself in `inflight`
+    // first (both seq_cst), so it is waited for; later ones see nullptr.
+    while (inflight.load(std::memory_order_acquire) != 0) MAS_PAUSE();
+  }
+
+  std::vector<std::thread> threads;
+  std::atomic<uint32_t> gen{0};
+  std::atomic<int> sleepers{0};
+  std::atomic<int> inflight{0};
+  std::atomic<Job*> current{nullptr};
+  std::atomic<bool> stop{false};
+  std::mutex busy;  // one job at a time; a second caller runs its job inline
+};
+
+std::mutex g_config;
+Pool* g_pool = nullptr;  // leaked on purpose: no joins during interpreter shutdown
+int g_threads = 0;       // 0: not configured yet
+
+void after_fork_in_child() {
+  // The workers did not survive fork(); forget them (never join threads that do not exist).
+  g_pool = nullptr;
+  g_threads = 0;
+}
+
+Pool* pool_for_caller() {
+  std::lock_guard<std::mutex> lock(g_config);
+  if (g_threads == 0) {
+    static bool registered = false;
+    if (!registered) {
+      pthread_atfork(nullptr, nullptr, after_fork_in_child);
+      registered = true;
+    }
+    g_threads = default_num_threads();
+  }
+  if (g_threads > 1 && g_pool == nullptr) g_pool = new Pool(g_threads - 1);
+  return g_threads > 1 ? g_pool : nullptr;
+}
+
+}  // namespace
+
+int default_num_threads() {
+  cpu_set_t set;
+  if (sched_getaffinity(0, sizeof(set), &set) == 0) {
+    int n = CPU_COUNT(&set);
+    if (n > 0) return n;
+  }
+  unsigned n = std::thread::hardware_concurrency();
+  return n > 0 ? static_cast<int>(n) : 1;
+}
+
+int num_threads() {
+  std::lock_guard<std::mutex> lock(g_config);
+  return g_threads == 0 ? default_num_threads() : g_threads;
+}
+
+void set_num_threads(int n) {
+  std::lock_guard<std::mutex> lock(g_config);
+  if (n == g_threads) return;
+  if (g_pool != nullptr) {
+    std::lock_guard<std::mutex> busy(g_pool->busy);  // wait for a running job
+    g_pool->shutdown();
+    g_pool = nullptr;  // leaked: a caller may still hold it, and then runs its job inline
+  }
+  g_threads = n < 1 ? 1 : n;
+}
+
+void parallel_for(int64_t ntasks, void (*fn)(void*, int64_t), void* ctx) {
+  Pool* pool = ntasks > 1 ? pool_for_caller() : nullptr;
+  std::unique_lock<std::mutex> lock;
+  if (pool != nullptr) lock = std::unique_lock<std::mutex>(pool->busy, std::try_to_lock);
+  if (pool == nullptr || !lock.owns_lock()) {
+    for (int64_t t = 0; t < ntasks; ++t) fn(ctx, t);
+    return;
+  }
+  Job job;
+  job.fn = fn;
+  job.ctx = ctx;
+  job.ntasks = ntasks;
+  pool->run(job);
+}
+
+namespace {
+struct Buffer {
+  float* data = nullptr;
+  size_t floats = 0;
+  ~Buffer() { std::free(data); }
+};
+constexpr int kSlots = 2;
+thread_local Buffer t_buffers[kSlots];
+}  // namespace
+
+float* thread_buffer(int slot, size_t floats) {
+  Buffer& b = t_buffers[slot];
+  if (b.floats < floats) {
+    std::free(b.data);
+    size_t bytes = ((floats * sizeof(float) + 63) / 64) * 64;
+    b.data = static_cast<float*>(std::aligned_alloc(64, bytes));
+    if (b.data == nullptr) {
+      b.floats = 0;
+      throw std::bad_alloc();
+    }
+    b.floats = floats;
+  }
+  return b.data;
+}
+
+}  // namespace mas
