@@ -34,22 +34,6 @@ def cases(names):
     return [pytest.param(n, marks=() if n in FAST else pytest.mark.slow) for n in names]
 
 
-@pytest.fixture(scope="session")
-def variant(model_cache):
-    """name -> (directory, model, tokenizer), each built and loaded once per session."""
-    import mlx_lm
-
-    cache = {}
-
-    def load(name):
-        if name not in cache:
-            directory = builtin.ensure_builtin(name, model_cache, progress=False)
-            cache[name] = (directory, *mlx_lm.load(str(directory)))
-        return cache[name]
-
-    return load
-
-
 def stored_dtypes(directory) -> dict[str, mx.Dtype]:
     return {k: v.dtype for k, v in mx.load(str(directory / "model.safetensors")).items()}
 
@@ -100,8 +84,8 @@ def test_folder_is_named_by_variant_and_base_spec(monkeypatch, tmp_path):
     assert second != first and len(made) == 2
 
 
-def test_cached_variant_is_returned_without_converting(variant, model_cache, monkeypatch):
-    directory, _, _ = variant("qwen3-tiny-4bit")
+def test_cached_variant_is_returned_without_converting(loaded, model_cache, monkeypatch):
+    directory, _, _ = loaded("qwen3-tiny-4bit")
     before = (directory / "model.safetensors").stat().st_mtime_ns
 
     def refuse(*args):
@@ -127,9 +111,9 @@ def test_concurrent_variant_builds_agree(tmp_path):
 
 
 @pytest.mark.parametrize("name", cases(QUANTIZED))
-def test_quantized_variant_says_its_format_and_loads_quantized(variant, name):
+def test_quantized_variant_says_its_format_and_loads_quantized(loaded, name):
     bits, group, dtype = QUANTIZED[name]
-    directory, model, tokenizer = variant(name)
+    directory, model, tokenizer = loaded(name)
     assert {"config.json", "tokenizer.json", "tokenizer_config.json"} <= {
         p.name for p in directory.iterdir()}
     config = json.loads((directory / "config.json").read_text())
@@ -148,9 +132,9 @@ def test_quantized_variant_says_its_format_and_loads_quantized(variant, name):
 
 
 @pytest.mark.parametrize("name", cases(["qwen3-tiny-4bit", "qwen3_5-tiny-bf16"]))
-def test_tokenizer_files_are_the_bases(variant, model_cache, name):
+def test_tokenizer_files_are_the_bases(loaded, model_cache, name):
     """Not transformers' re-save, which drops Qwen3.5's ignore_merges and adds local paths."""
-    directory, _, _ = variant(name)
+    directory, _, _ = loaded(name)
     base = builtin.ensure_builtin(formats.parse(name)[0], model_cache, progress=False)
     files = sorted(p.name for p in base.iterdir() if p.name.startswith("tokenizer"))
     assert files == sorted(p.name for p in directory.iterdir() if p.name.startswith(("tok", "chat")))
@@ -158,8 +142,8 @@ def test_tokenizer_files_are_the_bases(variant, model_cache, name):
 
 
 @pytest.mark.parametrize("name", cases(BF16))
-def test_bf16_variant_stores_bfloat16(variant, name):
-    directory, model, _ = variant(name)
+def test_bf16_variant_stores_bfloat16(loaded, name):
+    directory, model, _ = loaded(name)
     config = json.loads((directory / "config.json").read_text())
     assert config["torch_dtype"] == config["dtype"] == "bfloat16"
     assert "quantization" not in config
@@ -182,11 +166,11 @@ def greedy(model, prompt_ids: list[int], steps: int) -> tuple[list[int], list[fl
 
 
 @pytest.mark.parametrize("name", cases([*QUANTIZED, *BF16]))
-def test_greedy_continuations_stay_varied(variant, name):
+def test_greedy_continuations_stay_varied(loaded, name):
     """Quantizing random weights does not collapse them to one repeated token. (It does change
     the function: a 4-bit variant's greedy tokens differ from its float32 base's within the first
     token or two, so a variant is checked against mlx-lm on itself, never against its base.)"""
-    _, model, tokenizer = variant(name)
+    _, model, tokenizer = loaded(name)
     continuations, gaps = [], []
     for prompt in PROMPTS:
         tokens, step_gaps = greedy(model, tokenizer.encode(prompt), steps=32)

@@ -41,22 +41,6 @@ def greedy(model, prompt_ids: list[int], steps: int) -> tuple[list[int], list[fl
     return tokens, gaps
 
 
-@pytest.fixture(scope="session")
-def loaded(model_cache):
-    """name -> (directory, model, tokenizer), each built and loaded once per session."""
-    import mlx_lm
-
-    cache = {}
-
-    def load(name):
-        if name not in cache:
-            directory = builtin.ensure_builtin(name, model_cache, progress=False)
-            cache[name] = (directory, *mlx_lm.load(str(directory)))
-        return cache[name]
-
-    return load
-
-
 def test_unknown_name_is_rejected(tmp_path):
     with pytest.raises(KeyError, match="qwen3-tiny"):
         builtin.ensure_builtin("gpt-5", tmp_path)
