@@ -1,6 +1,7 @@
 """Microbenchmark: our kernels against float32 through MKL and MLX's own quantized matmul.
 
     python native/bench.py [--shapes 640x1792,2048x6144] [--rows 1,16] [--hot]
+    python native/bench.py --layers [--rows 1,16]   # threading beside MKL, in a decode step
 
 Run from the repository root so the project's BLAS loader (actors/model_runner/cpu/blas.py)
 puts MKL behind MLX before MLX is imported. Milliseconds per product (median of repeats) and
@@ -69,6 +70,9 @@ def main(argv=None) -> None:
     ap.add_argument("--no-mlx", action="store_true", help="skip mx.quantized_matmul")
     ap.add_argument("--threads", type=int, default=0, help="our threads (default: all cores)")
     ap.add_argument("--isa", default="", help="force a path: avx512, avx2, scalar")
+    ap.add_argument("--layers", action="store_true",
+                    help="time decode steps mixing our products with MKL float32 matmuls, "
+                         "by threading setup")
     args = ap.parse_args(argv)
 
     blas = load_blas()
@@ -80,6 +84,8 @@ def main(argv=None) -> None:
     if args.isa:
         mk.set_isa(args.isa)
     gs = args.group_size
+    if args.layers:
+        return layers(mx, mk, blas, [int(r) for r in args.rows.split(",")], gs)
     print(f"blas={os.path.basename(blas)} isa={mk.isa()} threads={mk.threads()} "
           f"group_size={gs} scales=bfloat16 {'hot' if args.hot else 'cold (weights from DRAM)'}")
     head = (f"{'K x N':>12} {'M':>4} | {'q4 ms':>7} {'GB/s':>5} | {'q8 ms':>7} {'GB/s':>5} | "
@@ -123,6 +129,53 @@ def main(argv=None) -> None:
                   f"{gbs(q8, t8):5.1f} | {tb:7.3f} {gbs((wb,), tb):5.1f} | {tf:7.3f} "
                   f"{gbs((w,), tf):5.1f} {ts:7.3f} | {tq:>7} {tm:>8}", flush=True)
         del c4, c8, cb, cf
+
+
+def layers(mx, mk, blas, rows, gs, n_layers=8, rounds=7) -> None:
+    """A decode step of a 2048-wide model, 4-bit weights except one float32 projection per
+    layer (MKL), evaluated as one graph; ms per step by our thread count and worker spin.
+    Setups run round-robin so load from other processes hits all of them alike."""
+    mx.random.seed(0)
+
+    def q(n, k):
+        return mx.quantize((mx.random.normal((n, k)) * 0.02).astype(mx.bfloat16),
+                           group_size=gs, bits=4)
+
+    net = [(q(3072, 2048), mx.random.normal((2048, 2048)) * 0.02, q(12288, 2048), q(2048, 6144))
+           for _ in range(n_layers)]
+    mx.eval(net)
+
+    def step(h, with_f32=True):
+        for qkv, wo, up, down in net:
+            a = mk.affine_qmm(h, *qkv, gs, 4)
+            if with_f32:
+                h = h + a[..., :2048] @ wo.T
+            u = mk.affine_qmm(h, *up, gs, 4)
+            g = mx.sigmoid(u[..., :6144]) * u[..., :6144] * u[..., 6144:]
+            h = h + mk.affine_qmm(g, *down, gs, 4)
+        return h
+
+    setups = {"1 thread": (1, 2000), "2 threads, no spin": (2, 0),
+              "2 threads, spin 60us": (2, 2000), "2 threads, spin 700us": (2, 20000)}
+    print(f"blas={os.path.basename(blas)} isa={mk.isa()} {n_layers} layers: q4 3072+12288+2048 "
+          f"rows of K=2048/6144, one 2048x2048 float32 matmul (MKL) per layer; ms per step")
+    for M in rows:
+        x = mx.random.normal((M, 2048))
+        mx.eval(x)
+        times = {(name, f32): [] for name in setups for f32 in (True, False)}
+        for _ in range(rounds):
+            for name, (threads, spin) in setups.items():
+                mk.set_threads(threads)
+                mk._ext._set_spin(spin)
+                for f32 in (True, False):
+                    mx.eval(step(x, f32))
+                    t0 = time.perf_counter()
+                    for _ in range(3):
+                        mx.eval(step(x, f32))
+                    times[(name, f32)].append((time.perf_counter() - t0) / 3 * 1e3)
+        print(f"M={M}: " + "  ".join(
+            f"{name}: {statistics.median(times[(name, True)]):.2f} "
+            f"(ours only {statistics.median(times[(name, False)]):.2f})" for name in setups))
 
 
 if __name__ == "__main__":

@@ -59,4 +59,6 @@ NB_MODULE(_ext, m) {
         mas::set_num_threads(n);
       },
       "n"_a, "Split products across n threads (the calling thread included).");
+  m.def("_set_spin", &mas::set_spin_loops, "loops"_a,
+        "Benchmark knob: pause loops (~35 ns each) an idle worker polls before sleeping.");
 }

@@ -61,10 +61,14 @@ void parallel_for(int64_t ntasks, void (*fn)(void* ctx, int64_t task), void* ctx
 int num_threads();
 void set_num_threads(int n);  // n >= 1
 int default_num_threads();
+void set_spin_loops(int n);  // idle workers' polling before sleeping (benchmarks)
 
 // A 64-byte aligned buffer of at least `floats` floats owned by the calling thread; `slot`
 // picks one of a few independent buffers (0: prepared activations, 1: dequantized tiles).
-// Valid until the same thread asks for the same slot again.
+// Valid until the same thread asks for the same slot again, or calls trim_thread_buffer(slot).
 float* thread_buffer(int slot, size_t floats);
+// Frees the slot's buffer if it holds more than `keep_floats` (prefill-sized activations are
+// not kept for the life of the thread).
+void trim_thread_buffer(int slot, size_t keep_floats);
 
 }  // namespace mas

@@ -45,6 +45,10 @@ inline float load_scale(const void* p, int64_t i) {
   }
 }
 
+inline void permute_chunk(const float* src, float* dst, const int* perm) {
+  for (int i = 0; i < CH; ++i) dst[i] = src[perm[i]];
+}
+
 // out[i] = float32(p[i0 + i]) for i < count.
 template <ScaleType ST>
 inline void widen_scales(const void* p, int64_t i0, int64_t count, float* out) {

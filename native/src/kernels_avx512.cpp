@@ -2,10 +2,17 @@
 //
 // 4-bit: 16 bytes (32 values) are broadcast to the four 128-bit lanes; one variable shift per
 //   16 values brings nibble a of dword d to lane 4a + d, and vpermps looks the nibble up in a
-//   16-entry table holding scale * q + bias for the group (built with one FMA per group), so a
-//   value costs a shift and a permute and never an int->float conversion.
+//   16-entry table holding scale * q + bias for the group (one FMA per group builds it), so a
+//   value costs a shift and a permute, never an int->float conversion.
 // 8-bit: vpmovzxbd + vcvtdq2ps + one FMA (scale, bias) per 16 values, k order unchanged.
-// bf16: vpunpck{l,h}wd with zero puts each bf16 in the high half of a float32 lane.
+// bf16: vpunpck{l,h}wd with zero puts each bf16 in the high half of a float32 lane. Not
+//   vdpbf16ps: it takes x in bf16 too, and keeping float32-grade results needs x split into
+//   two bf16 parts, which measured no faster than widen + FMA on Zen 4 (0.81 vs 0.68 ns per 32
+//   weights at M=1, 2.35 vs 2.21 at M=4); only x rounded to one bf16 (2x faster) would pay,
+//   and that changes results.
+// Built with -mtune=icelake-server: GCC 12's generic tuning spills the x vectors and group
+// tables of the direct tiles to the stack (the loads then bound the loop); the tuning only
+// changes scheduling and register choices, not the instructions allowed.
 #include <immintrin.h>
 
 #include "kernels.h"
@@ -18,10 +25,7 @@ constexpr int W = 16;
 constexpr int CH = 32;
 constexpr int64_t kGB = 32;  // groups whose scales are widened at once
 constexpr int kDirectNR1 = 8, kDirectNR = 4;  // rows per direct tile: M = 1, M = 2..4
-#ifndef MAS_MMR
-#define MAS_MMR 6
-#endif
-constexpr int kMicroMR = MAS_MMR, kMicroNR = 4;
+constexpr int kMicroMR = 4, kMicroNR = 4;
 
 inline vf vzero() { return _mm512_setzero_ps(); }
 inline vf vload(const float* p) { return _mm512_loadu_ps(p); }
@@ -56,6 +60,14 @@ inline void reduce(const vf* acc, int n, float* res) {
   const vf r = _mm512_add_ps(_mm512_shuffle_f32x4(s01, s23, _MM_SHUFFLE(2, 0, 2, 0)),
                              _mm512_shuffle_f32x4(s01, s23, _MM_SHUFFLE(3, 1, 3, 1)));
   _mm512_storeu_ps(res, r);
+}
+
+// dst[i] = src[perm[i]], i < 32: two-source permutes.
+inline void permute_chunk(const float* src, float* dst, const int* perm) {
+  const vf lo = _mm512_loadu_ps(src), hi = _mm512_loadu_ps(src + 16);
+  const __m512i i0 = _mm512_loadu_si512(perm), i1 = _mm512_loadu_si512(perm + 16);
+  _mm512_storeu_ps(dst, _mm512_permutex2var_ps(lo, i0, hi));
+  _mm512_storeu_ps(dst + 16, _mm512_permutex2var_ps(lo, i1, hi));
 }
 
 // out[i] = float32(p[i0 + i]) for i < count.

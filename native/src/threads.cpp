@@ -33,10 +33,11 @@ namespace {
 
 // How long an idle worker polls for the next job before sleeping, in pause loops (~35 ns each
 // on recent x86): about 60 us, enough to bridge the gap between two layers' products.
-constexpr int kSpinLoops = 2000;
+std::atomic<int> g_spin_loops{2000};
+// How long the caller polls for a worker's last task before sleeping (~10 us).
+constexpr int kFinishSpinLoops = 300;
 
-// Raw futex calls on the generation counter (libstdc++ 12's atomic wait/notify can lose a
-// wake-up).
+// Raw futex calls on 32-bit counters (libstdc++ 12's atomic wait/notify can lose a wake-up).
 void futex_wait(std::atomic<uint32_t>* word, uint32_t expected) {
   syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAIT_PRIVATE, expected, nullptr,
           nullptr, 0);
@@ -56,7 +57,7 @@ struct Job {
 struct Pool {
   explicit Pool(int nworkers) {
     for (int i = 0; i < nworkers; ++i) {
-      threads.emplace_back([this] { work(); });
+      threads.emplace_back([this] { work(0); });  // gen is 0 until the first job
     }
   }
 
@@ -69,13 +70,14 @@ struct Pool {
     threads.clear();
   }
 
-  void work() {
-    uint32_t seen = gen.load(std::memory_order_acquire);
+  // `seen`: the generation this worker has handled. A worker that starts late still sees any
+  // job or shutdown published since the pool was built.
+  void work(uint32_t seen) {
     while (true) {
-      for (int i = 0; i < kSpinLoops && gen.load(std::memory_order_acquire) == seen; ++i) {
+      for (int i = 0, n = g_spin_loops.load(std::memory_order_relaxed); i < n && gen.load(std::memory_order_acquire) == seen; ++i) {
         MAS_PAUSE();
       }
-      while (gen.load(std::memory_order_acquire) == seen) {
+      while (gen.load(std::memory_order_acquire) == seen && !stop.load()) {
         sleepers.fetch_add(1);
         if (gen.load() == seen) futex_wait(&gen, seen);
         sleepers.fetch_sub(1);
@@ -87,7 +89,8 @@ struct Pool {
       if (job != nullptr) {
         for (int64_t t; (t = job->next.fetch_add(1)) < job->ntasks;) job->fn(job->ctx, t);
       }
-      inflight.fetch_sub(1, std::memory_order_release);
+      inflight.fetch_sub(1);
+      if (caller_waiting.load() != 0) futex_wake_all(&inflight);
     }
   }
 
@@ -98,14 +101,23 @@ struct Pool {
     for (int64_t t; (t = job.next.fetch_add(1)) < job.ntasks;) job.fn(job.ctx, t);
     current.store(nullptr);
     // A worker that loaded `current` before the store above counted itself in `inflight`
-    // first (both seq_cst), so it is waited for; later ones see nullptr.
-    while (inflight.load(std::memory_order_acquire) != 0) MAS_PAUSE();
+    // first (both seq_cst), so it is waited for; later ones see nullptr. Spin briefly, then
+    // sleep: if the worker was preempted mid-task, this core going idle lets the kernel move
+    // it here instead of leaving it queued behind another process until its slice ends.
+    for (int i = 0; i < kFinishSpinLoops; ++i) {
+      if (inflight.load(std::memory_order_acquire) == 0) return;
+      MAS_PAUSE();
+    }
+    caller_waiting.store(1);
+    for (uint32_t v; (v = inflight.load()) != 0;) futex_wait(&inflight, v);
+    caller_waiting.store(0);
   }
 
   std::vector<std::thread> threads;
   std::atomic<uint32_t> gen{0};
   std::atomic<int> sleepers{0};
-  std::atomic<int> inflight{0};
+  std::atomic<uint32_t> inflight{0};
+  std::atomic<int> caller_waiting{0};
   std::atomic<Job*> current{nullptr};
   std::atomic<bool> stop{false};
   std::mutex busy;  // one job at a time; a second caller runs its job inline
@@ -146,6 +158,8 @@ int default_num_threads() {
   unsigned n = std::thread::hardware_concurrency();
   return n > 0 ? static_cast<int>(n) : 1;
 }
+
+void set_spin_loops(int n) { g_spin_loops.store(n < 0 ? 0 : n); }
 
 int num_threads() {
   std::lock_guard<std::mutex> lock(g_config);
@@ -201,6 +215,15 @@ float* thread_buffer(int slot, size_t floats) {
     b.floats = floats;
   }
   return b.data;
+}
+
+void trim_thread_buffer(int slot, size_t keep_floats) {
+  Buffer& b = t_buffers[slot];
+  if (b.floats > keep_floats) {
+    std::free(b.data);
+    b.data = nullptr;
+    b.floats = 0;
+  }
 }
 
 }  // namespace mas

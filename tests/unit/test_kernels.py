@@ -161,6 +161,23 @@ def test_lazy_graph_composes():
     np.testing.assert_allclose(np.array(out), np.array(ref), rtol=1e-4, atol=1e-4)
 
 
+def test_compile_and_streams():
+    """Traced by mx.compile, and run on a CPU stream other than the default."""
+    mx.random.seed(6)
+    wq, s, b = make_quantized(300, 256, 64, 4)
+    wb = (mx.random.normal((50, 256)) * 0.05).astype(mx.bfloat16)
+
+    def f(x):
+        return mk.bf16_matmul(mx.maximum(mk.affine_qmm(x, wq, s, b, 64, 4), 0.0)[:, :256], wb)
+
+    x = mx.random.normal((3, 256))
+    ref = np.array(f(x))
+    np.testing.assert_array_equal(np.array(mx.compile(f)(x)), ref)
+    with mx.stream(mx.new_stream(mx.cpu)):
+        out = f(x)
+    np.testing.assert_array_equal(np.array(out), ref)
+
+
 def test_threads_do_not_change_results():
     mx.random.seed(5)
     wq, s, b = make_quantized(1000, 512, 64, 4)
