@@ -60,7 +60,8 @@ inline void widen_scales(const void* p, int64_t i0, int64_t count, float* out) {
     for (; i + 8 <= count; i += 8) {
       const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(h + i));
       if constexpr (ST == ScaleType::bf16) {
-        _mm256_storeu_ps(out + i, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(v), 16)));
+        const __m256i f = _mm256_slli_epi32(_mm256_cvtepu16_epi32(v), 16);
+        _mm256_storeu_ps(out + i, _mm256_castsi256_ps(f));
       } else {
         _mm256_storeu_ps(out + i, _mm256_cvtph_ps(v));
       }
@@ -191,7 +192,8 @@ template <template <ScaleType> class F>
 void qmm_as(const QmmArgs& a) {
   const int64_t row_bytes = a.K * a.bits / 8, ngroups = a.K / a.group_size;
   const int64_t cpg = a.group_size / CH;
-  const double bytes = static_cast<double>(row_bytes) + 2.0 * ngroups * (a.st == ScaleType::f32 ? 4 : 2);
+  const int scale_bytes = a.st == ScaleType::f32 ? 4 : 2;
+  const double bytes = static_cast<double>(row_bytes) + 2.0 * ngroups * scale_bytes;
   const auto* w = reinterpret_cast<const uint8_t*>(a.w);
   switch (a.st) {
     case ScaleType::f32: {

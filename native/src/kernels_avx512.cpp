@@ -213,7 +213,8 @@ template <template <ScaleType> class F>
 void qmm_as(const QmmArgs& a) {
   const int64_t row_bytes = a.K * a.bits / 8, ngroups = a.K / a.group_size;
   const int64_t cpg = a.group_size / CH;
-  const double bytes = static_cast<double>(row_bytes) + 2.0 * ngroups * (a.st == ScaleType::f32 ? 4 : 2);
+  const int scale_bytes = a.st == ScaleType::f32 ? 4 : 2;
+  const double bytes = static_cast<double>(row_bytes) + 2.0 * ngroups * scale_bytes;
   const auto* w = reinterpret_cast<const uint8_t*>(a.w);
   switch (a.st) {
     case ScaleType::f32: {
