@@ -209,42 +209,8 @@ struct Bf16 {
 
 #include "driver.inc"
 
-template <template <ScaleType> class F>
-void qmm_as(const QmmArgs& a) {
-  const int64_t row_bytes = a.K * a.bits / 8, ngroups = a.K / a.group_size;
-  const int64_t cpg = a.group_size / CH;
-  const int scale_bytes = a.st == ScaleType::f32 ? 4 : 2;
-  const double bytes = static_cast<double>(row_bytes) + 2.0 * ngroups * scale_bytes;
-  const auto* w = reinterpret_cast<const uint8_t*>(a.w);
-  switch (a.st) {
-    case ScaleType::f32: {
-      F<ScaleType::f32> f{{w, a.scales, a.biases, row_bytes, ngroups, cpg}};
-      return run(f, a.x, a.out, a.M, a.N, a.K, bytes);
-    }
-    case ScaleType::f16: {
-      F<ScaleType::f16> f{{w, a.scales, a.biases, row_bytes, ngroups, cpg}};
-      return run(f, a.x, a.out, a.M, a.N, a.K, bytes);
-    }
-    case ScaleType::bf16: {
-      F<ScaleType::bf16> f{{w, a.scales, a.biases, row_bytes, ngroups, cpg}};
-      return run(f, a.x, a.out, a.M, a.N, a.K, bytes);
-    }
-  }
-}
-
 }  // namespace
 
-void qmm(const QmmArgs& a) {
-  if (a.bits == 4) {
-    qmm_as<Q4>(a);
-  } else {
-    qmm_as<Q8>(a);
-  }
-}
-
-void bf16mm(const Bf16Args& a) {
-  Bf16 f{a.w, a.K, a.K / CH, 1, kPerms.bf16, a.K % CH != 0};
-  run(f, a.x, a.out, a.M, a.N, a.K, 2.0 * a.K);
-}
+#include "entries.inc"
 
 }  // namespace mas::avx512

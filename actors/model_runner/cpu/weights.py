@@ -77,11 +77,14 @@ def _dequantized(module: nn.Module) -> mx.array:
                          group_size=module.group_size, bits=module.bits, mode=module.mode)
 
 
+# The kernels module once install() found it: products run per layer per step, so no import
+# lookup there.
+_kernels: Any = None
+
+
 def _quantized_product(module: nn.Module, x: mx.array, strategy: str) -> mx.array:
     if strategy == "kernel":
-        import mas_kernels
-
-        return _in_f32(x, lambda a: mas_kernels.affine_qmm(
+        return _in_f32(x, lambda a: _kernels.affine_qmm(
             a, module.weight, module.scales, module["biases"], module.group_size, module.bits))
     if strategy == "jit" and _rows(x) > 1:
         weight = _dequantized(module)
@@ -93,9 +96,7 @@ def _quantized_product(module: nn.Module, x: mx.array, strategy: str) -> mx.arra
 
 def _dense_product(module: nn.Module, x: mx.array, strategy: str) -> mx.array:
     if strategy == "kernel":
-        import mas_kernels
-
-        return _in_f32(x, lambda a: mas_kernels.bf16_matmul(a, module.weight))
+        return _in_f32(x, lambda a: _kernels.bf16_matmul(a, module.weight))
     return x @ module.weight.T
 
 
@@ -217,6 +218,8 @@ def install(model: nn.Module, runtime: Any) -> WeightPlan:
     if wanted == "auto":
         kernels, plan.missing = load_kernels()
         plan.kernels = kernels.isa() if kernels is not None else ""
+        global _kernels
+        _kernels = kernels if kernels is not None else _kernels
     modules = _matmul_modules(model)
     chosen = [(m, kind_of(m), _strategy(m, wanted, kernels)) for m in modules]
     resident = sum(m.weight.size * 4 * (32 // m.bits if hasattr(m, "bits") else 1)
