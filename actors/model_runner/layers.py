@@ -7,8 +7,9 @@ request, so it decides the layer's kind (protocol.messages LAYER_*):
 - RotatingKVCache: "sliding", K and V of the last `window` positions only;
 - ArraysCache and its subclasses (MambaCache): "recurrent", one state (the state pool);
 - anything else: "other:<cache type>", served as mlx-lm serves it.
-The runner's decode path batches every layer's cache (merge, then extract/filter/extend), so a
-cache it cannot batch is refused here, at launch, by layer and type, never by a failing request.
+The decode batch (decode_batch.py) keeps full-attention and recurrent layers in its own layout;
+any other cache it batches as mlx-lm does (merge, then filter/extend), so a cache it cannot
+batch is refused here, at launch, by layer and type, never by a failing request.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, make_prom
 from protocol.messages import LAYER_FULL, LAYER_OTHER, LAYER_RECURRENT, LAYER_SLIDING
 
 ATTENTION, LINEAR = "attention", "linear"
-BATCHED = ("extract", "filter", "extend")  # what the decode path calls on a merged cache
+BATCHED = ("filter", "extend")  # what the decode batch calls on an mlx-lm merged cache
 
 
 @dataclass(frozen=True)
@@ -85,8 +86,8 @@ def cache_kind(cache: Any) -> str:
 
 
 def batchable(cache: Any) -> bool:
-    """Rows join the decode batch through `type(c).merge`; leaving it takes extract and filter,
-    joining a running batch extend. A fresh cache merges like a filled one."""
+    """Rows join the decode batch through `type(c).merge`, a running batch through extend;
+    leaving it takes filter. A fresh cache merges like a filled one."""
     merge = getattr(type(cache), "merge", None)
     if merge is None:
         return False
@@ -108,7 +109,7 @@ def classify(model: nn.Module) -> list[str]:
     if refused:
         named = "; ".join(_layers_named(at, kind) for kind, at in refused.items())
         raise ValueError(f"the runner cannot batch the cache of {named}: mlx-lm gives it no "
-                         "merge, or no extract/filter/extend once merged")
+                         "merge, or no filter/extend once merged")
     kinds = [cache_kind(c) for c in caches]
     _check_mixers(model, kinds)
     return kinds

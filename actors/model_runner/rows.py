@@ -11,16 +11,17 @@ Where a row is, by state:
 - `pending_load[row]`: the KV slots of its cached prefix, from a KV_LOAD op until its first
   prompt chunk builds its caches from them.
 - `prefilling[row]`: its own per-layer mlx-lm caches, while its prompt runs chunk by chunk.
-- `decode_rows` / `decode_cache`: the decode batch, rows in batch order and one batched cache
-  per layer (left padded), so a decode step is one forward of shape [rows, 1].
-- `parked[row]`: caches extracted from the decode batch of a row that stopped decoding but is
-  not released yet (it finished while a step was in flight, or is being retracted): its KV
-  may still be saved for the prefix cache.
+- `decode`: the decode batch (decode_batch.py): one batched cache per layer, a position per
+  row, so a decode step is one forward of shape [positions, 1]. `decode_rows` are the rows
+  that decode, in position order. A row that stopped decoding but is not released yet (it
+  finished while a step was in flight, or is being retracted) is parked there: it keeps its
+  position and KV, which may still be saved for the prefix cache.
 
 How a row moves, in a step's order: a KV_LOAD op (load_later) -> admit -> its first chunk
 (start_prompt) -> its last chunk (end_prompt, then join_decode: at once when its last token
 runs in this step's decode forward, after it when the prompt was sampled on its own) ->
-keep_decoding leaves it out: parked -> release, which forgets it everywhere except
+keep_decoding leaves it out: parked -> release (its position becomes a hole), which forgets it
+everywhere except
 `pending_load` (the load for the row's next request may ride in the batch that releases it:
 ops apply before releases).
 """
@@ -31,7 +32,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from actors.model_runner.pipeline import before_host_sync
+from actors.model_runner.decode_batch import DecodeBatch
 
 
 class StepError(RuntimeError):
@@ -39,16 +40,12 @@ class StepError(RuntimeError):
 
 
 class Rows:
-    def __init__(self, max_rows: int, full_layers: list[int]):
+    def __init__(self, max_rows: int):
         self.token_buf = mx.zeros((max_rows + 1,), dtype=mx.int32)  # row 0 is padding
         self.state: dict[int, int] = {}  # row -> its live state slot
         self.pending_load: dict[int, list[int]] = {}  # row -> KV slots of its cached prefix
         self.prefilling: dict[int, list[Any]] = {}  # row -> per-layer caches, mid-prompt
-        self.decode_rows: list[int] = []  # row order of the batched cache
-        self.decode_cache: list[Any] | None = None
-        self.parked: dict[int, list[Any]] = {}  # row -> its caches, out of the decode batch
-        # A full-attention layer's batched cache tells each decode row's left padding.
-        self.full_layers = full_layers
+        self.decode = DecodeBatch()
 
     # -- admission, release, ops ----------------------------------------------------------------
 
@@ -61,11 +58,8 @@ class Rows:
         """The scheduler freed these rows: drop their caches and their live state."""
         for row in rows:
             self.prefilling.pop(row, None)
-            self.parked.pop(row, None)
             self.state.pop(row, None)
-        gone = set(rows) & set(self.decode_rows)
-        if gone:
-            self.keep_decoding([r for r in self.decode_rows if r not in gone], park=False)
+        self.decode.release(rows)
 
     def donate(self, row: int, slot: int) -> None:
         """The row gives its live state slot to the prefix tree: from now on its state is no
@@ -84,19 +78,14 @@ class Rows:
         slots = [self.state[r] for r in rows if r in self.state]
         return slots if len(slots) == len(rows) else None
 
-    def kv_of(self, row: int) -> tuple[list[Any], int, int]:
-        """Where a KV save reads the row's KV: (per-layer caches, the row's index in them, its
-        left padding). Mid-prompt and parked rows have caches of their own."""
+    def kv_of(self, row: int) -> tuple[list[Any], int]:
+        """Where a KV save reads the row's KV: (per-layer caches, the row's index in them).
+        Mid-prompt rows have caches of their own; decoding and parked rows a position."""
         if row in self.prefilling:
-            return self.prefilling[row], 0, 0
-        if row in self.parked:
-            return self.parked[row], 0, 0
-        if row not in self.decode_rows:
+            return self.prefilling[row], 0
+        if row not in self.decode.where:
             raise StepError(f"KV save for row {row}, which holds no KV")
-        index = self.decode_rows.index(row)
-        before_host_sync()  # the padding is read back
-        padding = self.decode_cache[self.full_layers[0]].left_padding[index]
-        return self.decode_cache, index, int(padding.item())
+        return self.decode.kv_of(row)
 
     # -- prompts --------------------------------------------------------------------------------
 
@@ -116,47 +105,30 @@ class Rows:
 
     # -- the decode batch -----------------------------------------------------------------------
 
-    def join_decode(self, row: int, cache: list[Any]) -> None:
-        merged = [type(c).merge([c]) for c in cache]
-        if self.decode_cache is None:
-            self.decode_cache = merged
-        else:
-            for batched, new in zip(self.decode_cache, merged):
-                batched.extend(new)
-        self.decode_rows.append(row)
+    @property
+    def decode_rows(self) -> list[int]:
+        return self.decode.rows
 
-    def keep_decoding(self, rows: list[int], park: bool = True) -> None:
-        """Shrink the batched cache to the rows this step decodes; the others are parked
-        (released rows are simply dropped)."""
-        missing = set(rows) - set(self.decode_rows)
+    def join_decode(self, row: int, cache: list[Any]) -> None:
+        self.decode.join(row, cache)
+
+    def keep_decoding(self, rows: list[int]) -> None:
+        """The rows this step decodes; the others that decoded are parked. Nothing is copied:
+        the decode batch keeps every position until its row is released."""
+        missing = set(rows) - self.decode.decoding
         if missing:
             raise StepError(f"rows {sorted(missing)} decode but were never prefilled")
-        if set(rows) == set(self.decode_rows):
-            return
-        before_host_sync()  # mlx-lm's extract and filter read the paddings back
-        wanted = set(rows)
-        if park:
-            for i, r in enumerate(self.decode_rows):
-                if r not in wanted:
-                    self.parked[r] = [c.extract(i) for c in self.decode_cache]
-        if not rows:
-            self.decode_rows, self.decode_cache = [], None
-            return
-        keep = [i for i, r in enumerate(self.decode_rows) if r in wanted]
-        index = mx.array(keep)
-        for c in self.decode_cache:
-            c.filter(index)
-        self.decode_rows = [self.decode_rows[i] for i in keep]
+        self.decode.keep(rows)
 
     # -- the FutureMap --------------------------------------------------------------------------
 
     def resolve_futures(self, joining: dict[int, int]) -> mx.array:
-        """The decode forward's inputs [rows, 1], in batch order: each row's last sampled
-        token, or for a row whose prompt ends in this step (`joining`) its last prompt token."""
+        """The decode forward's inputs [positions, 1]: each row's last sampled token, or for a
+        row whose prompt ends in this step (`joining`) its last prompt token."""
         if joining:
             at = mx.array(list(joining))
             self.token_buf[at] = mx.array(list(joining.values()), dtype=mx.int32)
-        return self.token_buf[mx.array(self.decode_rows)][:, None]
+        return self.decode.inputs(self.token_buf)
 
     def record(self, rows: list[int], tokens: mx.array) -> None:
         """The rows sampled these tokens (lazily): their next future inputs."""

@@ -60,7 +60,7 @@ class ModelRunner:
         if self.layers.linear and state_slots:
             states = StatePool(self._state_shapes(), state_slots)
         self.pools = Pools(self.layers, kv, states)
-        self.rows = Rows(max_rows, self.layers.full)
+        self.rows = Rows(max_rows)
 
     def _vocab_width(self) -> int:
         return self.model(mx.array([[0]])).shape[-1]
@@ -180,10 +180,14 @@ class ModelRunner:
         return Launched(batch.step, out_rows, [got for _, got in parts], pick, started)
 
     def _decode(self, joining: dict[int, int]) -> Pending:
-        rows = self.rows.decode_rows
+        rows, batch = self.rows.decode_rows, self.rows.decode
         inputs = self.rows.resolve_futures(joining)
-        logits = self.model(inputs, cache=self.rows.decode_cache)[:, -1, :]
-        self._write_states(rows, self.rows.decode_cache)
+        logits = self.model(inputs, cache=batch.caches)[:, -1, :]
+        batch.advance()
+        live = batch.live_index()  # None: no hole or parked row ran beside them
+        if live is not None:
+            logits = logits[live]
+        self._write_states(rows, batch.caches, live)
         return self.sampler.launch(rows, logits)
 
     def _prefill(self, row: int, ids: list[int], start: int, sample: bool,
@@ -237,8 +241,9 @@ class ModelRunner:
         self.rows.start_prompt(row, cache)
         return cache
 
-    def _write_states(self, rows: list[int], caches: list[Any]) -> None:
-        self.pools.write_states(self.rows.state_slots(rows), caches)
+    def _write_states(self, rows: list[int], caches: list[Any],
+                      at: mx.array | None = None) -> None:
+        self.pools.write_states(self.rows.state_slots(rows), caches, at)
 
 
 def _logprob_columns(got: list[Sampled]) -> dict[str, list]:

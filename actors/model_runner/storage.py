@@ -138,12 +138,12 @@ class Pools:
     def _save_kv(self, rows: Rows, row: int, start: int, slots: list[int]) -> None:
         """The row's KV at positions [start, start + len(slots)) into the pool's slots."""
         pool = self._need(self.kv, "KV")
-        caches, index, pad = rows.kv_of(row)
-        first, end = pad + start, pad + start + len(slots)
+        caches, index = rows.kv_of(row)
+        end = start + len(slots)
         for layer in self.layers.full:
             c = caches[layer]
-            keys = c.keys[index, :, first:end, :].transpose(1, 0, 2)
-            values = c.values[index, :, first:end, :].transpose(1, 0, 2)
+            keys = c.keys[index, :, start:end, :].transpose(1, 0, 2)
+            values = c.values[index, :, start:end, :].transpose(1, 0, 2)
             pool.save(layer, slots, keys, values)
 
     def restore(self, cache: list[Any], kv_slots: list[int], state_slot: int | None) -> None:
@@ -162,14 +162,17 @@ class Pools:
             for layer in self.layers.linear:
                 cache[layer].cache = self.states.read(layer, [state_slot])
 
-    def write_states(self, slots: list[int] | None, caches: list[Any]) -> None:
+    def write_states(self, slots: list[int] | None, caches: list[Any],
+                     at: mx.array | None = None) -> None:
         """Write the recurrent state through to the rows' state slots, so a snapshot, a copy
         or a donation the scheduler orders later sees exactly the state after this step.
-        slots None: the rows keep no state slot (prefix caching off), nothing to keep."""
+        slots None: the rows keep no state slot (prefix caching off), nothing to keep.
+        at: the rows' positions in the caches (None: the caches hold these rows only)."""
         if self.states is None or slots is None:
             return
         for layer in self.layers.linear:
-            self.states.write(layer, slots, caches[layer].cache)
+            parts = caches[layer].cache
+            self.states.write(layer, slots, parts if at is None else [a[at] for a in parts])
 
     def arrays(self) -> list[mx.array]:
         """Every pool array: pool writes are lazy scatters, evaluated with each step."""

@@ -1,0 +1,184 @@
+"""Where a decode step's milliseconds go, and how far each part is from its roofline.
+
+    python -m benchmarks.kernels.profile [--model qwen3-small] [--formats f32 4bit]
+        [--batch 1 16] [--context 256]
+
+For each format and batch: the whole decode step of the patched model (the runner's CPU layer
+installed, a KV cache of `--context` tokens), then its parts timed alone with the same shapes
+and the same patched modules: every linear layer's product (summed over the layers), the LM
+head, the attention core (softmax(QK^T)V over the cache), sampling (greedy, the runner's
+sampler), and building the step's graph in Python. "rest" is the step minus the products
+and the attention core (norms, RoPE, residuals, KV writes); sampling follows the step, and the
+graph build overlaps the previous step in the runner's pipeline. Rooflines: the bytes each part
+reads at the machine's memory bandwidth (a NumPy sum, measured here), and the float32 GEMM
+rate of the BLAS at that batch (measured here on the model's largest weight shape).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from typing import Any, Callable
+
+from actors.model_runner.cpu import blas
+
+
+def timed(fn: Callable[[], Any], repeat: int) -> float:
+    """Median ms of fn() evaluated, after two warm-up calls."""
+    import mlx.core as mx
+
+    for _ in range(2):
+        mx.eval(fn())
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        mx.eval(fn())
+        times.append(time.perf_counter() - start)
+    return 1000 * statistics.median(times)
+
+
+def bandwidth_gbs() -> float:
+    import numpy as np
+
+    a = np.ones(1 << 28, np.float32)  # 1 GiB
+    best = min(_seconds(lambda: a.sum()) for _ in range(3))
+    return a.nbytes / best / 1e9
+
+
+def _seconds(fn: Callable[[], Any]) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def linears(model) -> list[tuple[str, Any]]:
+    import mlx.nn as nn
+
+    return [(name, m) for name, m in model.named_modules()
+            if isinstance(m, (nn.Linear, nn.QuantizedLinear)) and "lm_head" not in name]
+
+
+def head_of(model) -> tuple[Callable, Any]:
+    inner = getattr(model, "model", model)
+    if getattr(model, "lm_head", None) is not None:
+        return model.lm_head, model.lm_head
+    return inner.embed_tokens.as_linear, inner.embed_tokens
+
+
+def weight_bytes(module) -> int:
+    return sum(v.nbytes for _, v in _leaves(module.parameters()))
+
+
+def _leaves(tree, prefix=""):
+    if isinstance(tree, dict):
+        for k, v in tree.items():
+            yield from _leaves(v, f"{prefix}.{k}")
+    elif isinstance(tree, list):
+        for i, v in enumerate(tree):
+            yield from _leaves(v, f"{prefix}.{i}")
+    else:
+        yield prefix, tree
+
+
+def profile(model, batch: int, context: int, repeat: int, vocab: int) -> dict[str, Any]:
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from actors.model_runner.sampling import RowParams, Sampler
+
+    cache = make_prompt_cache(model)
+    mx.eval(model(mx.array([[5] * context] * batch), cache=cache))
+    token = mx.array([[7]] * batch)
+
+    def step():
+        out = model(token, cache=cache)
+        for c in cache:  # keep the context fixed: every timed step sees `context` tokens
+            if hasattr(c, "offset"):
+                c.offset -= 1
+        return out
+
+    parts: dict[str, float] = {"step": timed(step, repeat)}
+    build = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        out = step()
+        build.append(time.perf_counter() - start)
+        mx.eval(out)
+    parts["graph build (Python)"] = 1000 * statistics.median(build)
+    layers = linears(model)
+    hidden = {}
+    total = 0.0
+    for _, m in layers:
+        k = m.weight.shape[1] * (32 // m.bits if hasattr(m, "bits") else 1)
+        x = hidden.setdefault(k, mx.random.normal((batch, 1, k)))
+        total += timed(lambda m=m, x=x: m(x), repeat)
+    parts["linear layers"] = total
+    head, head_module = head_of(model)
+    x = mx.random.normal((batch, 1, model.args.hidden_size))
+    parts["LM head"] = timed(lambda: head(x), repeat)
+    attn = [c for c in cache if hasattr(c, "keys") and c.keys is not None]
+    if attn:
+        k, v = attn[0].keys[..., :context, :], attn[0].values[..., :context, :]
+        heads = model.args.num_attention_heads
+        q = mx.random.normal((batch, heads, 1, k.shape[-1]))
+        core = timed(lambda: mx.fast.scaled_dot_product_attention(q, k, v, scale=0.1), repeat)
+        parts["attention core"] = core * len(attn)
+    sampler = Sampler(vocab, batch)
+    for row in range(1, batch + 1):
+        sampler.admit(row, RowParams(), [])
+    logits = mx.random.normal((batch, vocab))
+    parts["sampling (greedy)"] = timed(
+        lambda: sampler.launch(list(range(1, batch + 1)), logits).arrays(), repeat)
+    # The graph build overlaps the previous step in the runner; sampling follows the step.
+    named = sum(v for k, v in parts.items()
+                if k not in ("step", "graph build (Python)", "sampling (greedy)"))
+    parts["rest"] = parts["step"] - named
+    kv_bytes = sum(c.keys[..., :context, :].nbytes * 2 for c in attn)
+    return {"parts": parts,
+            "bytes": {"linear layers": sum(weight_bytes(m) for _, m in layers),
+                      "LM head": weight_bytes(head_module), "attention core": kv_bytes}}
+
+
+def gemm_gflops(model, batch: int, repeat: int) -> float:
+    """float32 GEMM rate through the BLAS at this batch, on the model's MLP up shape."""
+    import mlx.core as mx
+
+    k, n = model.args.hidden_size, model.args.intermediate_size
+    x, w = mx.random.normal((batch, k)), mx.random.normal((n, k))
+    ms = timed(lambda: x @ w.T, repeat)
+    return 2 * batch * k * n / ms / 1e6
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.kernels.profile")
+    p.add_argument("--model", default="qwen3-small", help="a built-in (models/builtin.py)")
+    p.add_argument("--formats", nargs="+", default=["f32", "4bit"])
+    p.add_argument("--batch", type=int, nargs="+", default=[1, 16])
+    p.add_argument("--context", type=int, default=256)
+    p.add_argument("--repeat", type=int, default=15)
+    p.add_argument("--blas", default="auto")
+    args = p.parse_args(argv)
+    blas.load(args.blas)
+    from benchmarks.kernels.formats import load
+
+    gbs = bandwidth_gbs()
+    print(f"{args.model}, BLAS {blas.in_use()}, context {args.context}, memory bandwidth "
+          f"{gbs:.1f} GB/s (NumPy sum), median of {args.repeat}")
+    for fmt in args.formats:
+        model, plan = load(args.model if fmt == "f32" else f"{args.model}-{fmt}", "auto")
+        vocab = model.args.vocab_size
+        for b in args.batch:
+            got = profile(model, b, args.context, args.repeat, vocab)
+            rate = gemm_gflops(model, b, args.repeat)
+            print(f"\n{fmt} batch {b}: float32 GEMM {rate:.0f} GFLOP/s at this batch")
+            print(f"  {'part':<22} {'ms':>8} {'bytes MiB':>10} {'at bandwidth ms':>16}")
+            for name, ms in got["parts"].items():
+                nbytes = got["bytes"].get(name)
+                floor = f"{nbytes / gbs / 1e6:16.2f}" if nbytes else " " * 16
+                mib = f"{nbytes / 2**20:10.1f}" if nbytes else " " * 10
+                print(f"  {name:<22} {ms:8.2f} {mib} {floor}")
+
+
+if __name__ == "__main__":
+    main()

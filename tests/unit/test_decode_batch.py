@@ -1,0 +1,166 @@
+"""The decode batch's own layout (actors/model_runner/decode_batch.py): rows that leave become
+holes without touching the others' KV, joining rows fill holes, the batched attention of rows
+of different lengths equals each row's attention alone, and the positions compact only when
+holes are more than half. End-to-end token parity through it: test_runner_core.py."""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.models.cache import ArraysCache, KVCache
+
+from actors.model_runner.decode_batch import BatchedKV, BatchedStates, DecodeBatch
+
+HEADS, DIM = 2, 8
+
+
+def kv_cache(length: int, seed: int) -> KVCache:
+    c = KVCache()
+    if length:
+        k = mx.random.normal((1, HEADS, length, DIM), key=mx.random.key(seed))
+        v = mx.random.normal((1, HEADS, length, DIM), key=mx.random.key(seed + 1000))
+        c.update_and_fetch(k, v)
+    return c
+
+
+def state_cache(seed: int) -> ArraysCache:
+    c = ArraysCache(2)
+    c[0] = mx.full((1, 3), float(seed))
+    c[1] = mx.full((1, 2, 2), float(-seed))
+    return c
+
+
+def row_kv(batch: DecodeBatch, row: int) -> np.ndarray:
+    kv, at = batch.caches[0], batch.where[row]
+    return np.array(kv.keys[at, :, :batch.positions.lengths[at], :])
+
+
+def own_kv(cache: KVCache) -> np.ndarray:
+    return np.array(cache.keys[0, :, :cache.offset, :])
+
+
+def joined(lengths: dict[int, int]) -> tuple[DecodeBatch, dict[int, KVCache]]:
+    batch, caches = DecodeBatch(), {}
+    for row, n in lengths.items():
+        caches[row] = kv_cache(n, seed=row)
+        batch.join(row, [caches[row]])
+    return batch, caches
+
+
+def step(batch: DecodeBatch, seed: int) -> tuple[mx.array, mx.array, mx.array]:
+    """One decode forward's attention layer: new K/V per position, then the batched fetch."""
+    n = len(batch)
+    batch.inputs(mx.zeros((16,), mx.int32))
+    k = mx.random.normal((n, HEADS, 1, DIM), key=mx.random.key(seed))
+    v = mx.random.normal((n, HEADS, 1, DIM), key=mx.random.key(seed + 1))
+    keys, values = batch.caches[0].update_and_fetch(k, v)
+    batch.advance()
+    return k, keys, values
+
+
+def test_a_row_that_leaves_is_a_hole_and_the_others_are_not_copied():
+    batch, caches = joined({1: 5, 2: 300, 3: 7})
+    keys = batch.caches[0].keys
+    mx.eval(keys)
+    batch.release([2])  # the long one, in the middle
+    assert batch.slots == [1, None, 3]
+    assert batch.caches[0].keys is keys  # no filter, no copy: the same buffer
+    assert batch.rows == [1, 3]
+    for row in (1, 3):
+        np.testing.assert_array_equal(row_kv(batch, row), own_kv(caches[row]))
+
+
+def test_a_joining_row_fills_the_lowest_hole_and_only_its_own_columns():
+    batch, caches = joined({1: 5, 2: 6, 3: 7, 4: 4})
+    batch.release([1, 3])
+    new = kv_cache(9, seed=50)
+    batch.join(7, [new])
+    assert batch.where[7] == 0 and batch.slots == [7, 2, None, 4]
+    np.testing.assert_array_equal(row_kv(batch, 7), own_kv(new))
+    for row in (2, 4):
+        np.testing.assert_array_equal(row_kv(batch, row), own_kv(caches[row]))
+
+
+def test_batched_attention_of_rows_of_different_lengths_equals_each_row_alone():
+    batch, caches = joined({1: 3, 2: 40, 3: 1})
+    batch.release([2])
+    batch.join(5, [kv_cache(17, seed=9)])  # into the hole, shorter than the row it replaces
+    caches[5] = kv_cache(17, seed=9)
+    rows = (1, 3, 5)
+    own = {r: (own_kv(caches[r]), np.array(caches[r].values[0, :, :caches[r].offset, :]))
+           for r in rows}
+    for s in range(3):
+        q = mx.random.normal((len(batch), HEADS, 1, DIM), key=mx.random.key(100 + s))
+        n = len(batch)
+        batch.inputs(mx.zeros((16,), mx.int32))
+        k = mx.random.normal((n, HEADS, 1, DIM), key=mx.random.key(10 * s))
+        v = mx.random.normal((n, HEADS, 1, DIM), key=mx.random.key(10 * s + 1))
+        keys, values = batch.caches[0].update_and_fetch(k, v)
+        mask = batch.caches[0].make_mask(1)
+        batch.advance()
+        out = np.array(mx.fast.scaled_dot_product_attention(q, keys, values, scale=0.3,
+                                                            mask=mask))
+        for r in rows:
+            at = batch.where[r]
+            ks = np.concatenate([own[r][0], np.array(k[at])], axis=1)  # [heads, len + 1, dim]
+            vs = np.concatenate([own[r][1], np.array(v[at])], axis=1)
+            own[r] = (ks, vs)
+            w = np.einsum("hd,htd->ht", np.array(q[at, :, 0, :]), ks) * 0.3
+            w = np.exp(w - w.max(-1, keepdims=True))
+            ref = np.einsum("ht,htd->hd", w / w.sum(-1, keepdims=True), vs)
+            np.testing.assert_allclose(out[at, :, 0, :], ref, atol=1e-5)
+
+
+def test_a_parked_row_keeps_its_kv_and_length_while_the_others_decode():
+    batch, caches = joined({1: 6, 2: 8})
+    batch.keep([2])  # row 1 finished while a step was in flight: parked, not released
+    assert batch.rows == [2] and batch.where[1] == 0
+    for s in range(3):
+        step(batch, seed=s)
+    assert batch.positions.lengths[0] == 6 and batch.positions.lengths[1] == 11
+    np.testing.assert_array_equal(row_kv(batch, 1), own_kv(caches[1]))
+    assert np.array(batch.live_index()).tolist() == [1]
+
+
+def test_positions_compact_only_when_holes_are_more_than_half():
+    batch, caches = joined({r: r + 2 for r in range(1, 7)})
+    keys = batch.caches[0].keys
+    batch.release([1, 2, 3])  # 3 holes of 6: not more than half
+    assert batch.slots == [None, None, None, 4, 5, 6] and batch.caches[0].keys is keys
+    batch.release([6])  # trailing: dropped at once; 3 holes of 5 now: compacted
+    assert batch.slots == [4, 5]
+    for row in (4, 5):
+        np.testing.assert_array_equal(row_kv(batch, row), own_kv(caches[row]))
+    batch.release([4, 5])
+    assert len(batch) == 0 and batch.caches is None  # empty: every buffer goes
+
+
+def test_recurrent_states_follow_the_positions():
+    batch = DecodeBatch()
+    for row in (1, 2, 3):
+        batch.join(row, [state_cache(row)])
+    assert isinstance(batch.caches[0], BatchedStates)
+    batch.release([2])
+    batch.join(9, [state_cache(9)])
+    assert np.array(batch.caches[0][0][:, 0]).tolist() == [1.0, 9.0, 3.0]
+    batch.release([1, 9])  # two holes of three, then the trailing one goes: compacted to [3]
+    assert batch.slots == [3]
+    assert np.array(batch.caches[0][1]).ravel().tolist() == [-3.0] * 4
+
+
+def test_the_batch_grows_rows_and_columns_keeping_what_it_holds():
+    batch, caches = joined({1: 250, 2: 3})
+    kv = batch.caches[0]
+    assert isinstance(kv, BatchedKV) and kv.keys.shape[2] == 256
+    for s in range(8):  # row 1 passes 256 columns: the buffer grows, nothing is lost
+        step(batch, seed=s)
+    assert kv.keys.shape[2] == 512
+    np.testing.assert_array_equal(row_kv(batch, 1)[:, :250], own_kv(caches[1]))
+    for row in range(3, 8):  # more rows than the buffer has: it doubles
+        batch.join(row, [kv_cache(4, seed=row)])
+    assert kv.keys.shape[0] >= 7
+
+
+def test_a_sequence_of_more_than_one_token_is_refused():
+    batch, _ = joined({1: 4})
+    with pytest.raises(ValueError, match="one token per row"):
+        batch.caches[0].make_mask(3)
