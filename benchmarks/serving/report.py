@@ -1,6 +1,7 @@
 """The benchmark's report: BENCHMARKS.md (tables, ratios, targets met or missed) and the
 throughput-vs-concurrency plot. Text after the NOTES marker in an existing BENCHMARKS.md is
-kept, so the analysis written by hand survives a re-run."""
+kept, so the analysis written by hand survives a re-run, and so is the block between the
+FORMATS markers (written by benchmarks/serving/formats.py, a run of its own)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from typing import Any
 
 OURS, THEIRS = "mlx-actor-serve", "mlx_lm.server"
 NOTES = "<!-- notes: kept when the benchmark rewrites this file -->"
+FORMATS = ("<!-- formats:begin -->", "<!-- formats:end -->")
 
 
 def _ms(x: float) -> str:
@@ -126,11 +128,33 @@ def write_markdown(results: dict[str, Any], path: Path, plot: Path) -> str:
     lines += ["", "## Targets", "", "| target | measured | met |", "|---|---|---|"]
     lines += [f"| {t} | {v} | {'yes' if ok else 'NO'} |" for t, v, ok in targets(results)]
     text = "\n".join(lines) + "\n"
-    kept = ""
-    if path.exists() and NOTES in path.read_text():
-        kept = path.read_text().split(NOTES, 1)[1]
-    path.write_text(text + "\n" + NOTES + (kept or "\n"))
+    old = path.read_text() if path.exists() else ""
+    head, _, kept = old.partition(NOTES)
+    block = formats_block(head)
+    path.write_text(text + "\n" + (block + "\n\n" if block else "") + NOTES + (kept or "\n"))
     return text
+
+
+def formats_block(text: str) -> str:
+    """The formats block of `text`, markers included; "" when it has none."""
+    begin, end = FORMATS
+    inside, found, _ = text.partition(begin)[2].partition(end)
+    return begin + inside + end if found else ""
+
+
+def put_formats_block(path: Path, body: str) -> None:
+    """Write `body` between the FORMATS markers of the file at `path`: in place of the block
+    there, else just before the notes (else at the end), so the rest of the file is untouched."""
+    old = path.read_text() if path.exists() else ""
+    block = f"{FORMATS[0]}\n{body.strip()}\n{FORMATS[1]}"
+    if formats_block(old):
+        new = old.replace(formats_block(old), block, 1)
+    elif NOTES in old:
+        head, _, kept = old.partition(NOTES)
+        new = head + block + "\n\n" + NOTES + kept
+    else:
+        new = old + ("\n" if old and not old.endswith("\n") else "") + block + "\n"
+    path.write_text(new)
 
 
 def _rel(target: Path, doc: Path) -> str:
