@@ -115,7 +115,7 @@ class Bodies(Values):
                 deep = isinstance(body["user"], Raw)
                 verdicts.append(ANY if deep else OK)
                 notes.append("deep unused field" if deep else "unused field")
-            self._semantics(body, chat, verdicts, notes)
+            self._semantics(body, chat, verdicts, notes, fix=not odd)
             path = "/v1/chat/completions" if chat else "/v1/completions"
             data = to_json(body)
             kind = ("chat" if chat else "completion") + ("-field" if odd == "one" else "")
@@ -123,15 +123,19 @@ class Bodies(Values):
 
         return draw_it()
 
-    def _semantics(self, body: dict, chat: bool, verdicts: list, notes: list) -> None:
+    def _semantics(self, body: dict, chat: bool, verdicts: list, notes: list,
+                   fix: bool = False) -> None:
         """Cost and rules across fields: a chat body without a token cap would generate up to
-        the context; min_tokens <= the cap; the seed of the n-th choice still fits."""
+        the context; min_tokens <= the cap; the seed of the n-th choice still fits. fix: the
+        body must stay valid (odd=0): a min_tokens above the cap is lowered to it."""
         caps = [body.get(k) for k in ("max_completion_tokens", "max_tokens") if k in body]
         if chat and all(c is None for c in caps):
             body["max_completion_tokens"] = MAX_NEW
         cap = next((c for c in caps if c is not None), MAX_NEW if chat else 16)
         lo = body.get("min_tokens", 0)
-        if _is_int(lo) and _is_int(cap) and lo > cap >= 1:
+        if _is_int(lo) and _is_int(cap) and lo > cap >= 1 and fix:
+            body["min_tokens"] = cap
+        elif _is_int(lo) and _is_int(cap) and lo > cap >= 1:
             verdicts.append(BAD)
             notes.append("min_tokens > max tokens")
         n, s = body.get("n", 1), body.get("seed")
