@@ -21,6 +21,7 @@ import zmq
 import zmq.asyncio
 
 from actors.logs import configure_logging, get_logger
+from actors.titles import set_title
 from protocol import messages as m
 from protocol.codec import decoder, encode
 from protocol.config import Config
@@ -95,6 +96,7 @@ def _unlink_inbox(addrs: Addresses, name: str) -> None:
 def run_actor(name: str, cfg: Config, addrs: Addresses, model: ModelInfo,
               body: Callable[[Shell], Awaitable[None]]) -> None:
     """Entry point of every actor process."""
+    set_title(f"mas-{name}")
     configure_logging(cfg.log, name)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     code = asyncio.run(_main(name, cfg, addrs, model, body))

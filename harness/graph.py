@@ -8,9 +8,11 @@ import atexit
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass
@@ -20,6 +22,21 @@ from typing import Callable
 ROOT = Path(__file__).resolve().parents[1]
 READY = re.compile(r"ready: model (\S+) client (tcp://\S+)(?: http (http://\S+))?")
 _LAUNCHED: list[subprocess.Popen] = []
+_LOG_DIR: list[str] = []
+
+
+@atexit.register  # before _kill_leftovers, so it runs after it (atexit runs in reverse)
+def _remove_log_dir() -> None:
+    for folder in _LOG_DIR:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _log_dir() -> str:
+    """Graphs started here write their run logs (log.dir) to a temporary folder, not to the
+    user's ~/.cache; it goes when this Python process ends."""
+    if not _LOG_DIR:
+        _LOG_DIR.append(tempfile.mkdtemp(prefix="mas-logs-"))
+    return _LOG_DIR[0]
 
 
 @atexit.register
@@ -47,6 +64,8 @@ def start_graph(*overrides: str, on_log: Callable[[str], None] | None = None,
     launcher logs nothing to stderr. A launcher that exits, or is not ready within
     ready_timeout seconds (None: no limit), raises RuntimeError."""
     logs = ("log.format=json",) if on_log else ("log.stderr=false",)
+    if not any(o.startswith(("log.dir=", "log.file=")) for o in overrides):
+        logs = (*logs, f"log.dir={_log_dir()}")
     args = [sys.executable, "-m", "launch", "--config", str(ROOT / "configs" / "qwen.toml"),
             "--set", "server.port=0", "--set", "server.http_port=0",
             *[a for o in (*logs, *overrides) for a in ("--set", o)]]

@@ -1,14 +1,21 @@
 """`launch --config FILE [--set section.key=value ...]`: resolve the model, start the graph,
-print one `ready` line with the client address, and supervise until stopped."""
+print one `ready` line with the client address and the log file, and supervise until stopped.
+
+`launch logs [FILE] ...`: read a run's log file (launch/logs/)."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import sys
+import time
 from pathlib import Path
 
+import msgspec
+
 from actors.logs import configure_logging, get_logger
+from actors.titles import set_title
 from models.info import ModelInfo
 from protocol.config import Config, ConfigError, load_config
 from protocol.transport import derive_addresses
@@ -34,20 +41,42 @@ def resolve_model(cfg: Config, progress: bool = True) -> ModelInfo:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="launch", description="Start the mlx-actor-serve graph.")
+    p = argparse.ArgumentParser(prog="launch", description="Start the mlx-actor-serve graph.",
+                                epilog="launch logs [FILE] --help: read a run's log file")
     p.add_argument("--config", help="TOML config file (configs/qwen.toml)")
     p.add_argument("--set", dest="overrides", action="append", default=[],
                    metavar="SECTION.KEY=VALUE", help="override one config key (repeatable)")
     return p.parse_args(argv)
 
 
+def with_run_log(cfg: Config) -> Config:
+    """The config every process gets: `log.file` set to this run's file (log.dir, log.file),
+    so the launcher and the four actors append to the one file. A folder that cannot be
+    written costs the file, not the run."""
+    from launch.logs.files import prepare_run_file
+
+    try:
+        path = prepare_run_file(cfg.log, time.time(), os.getpid())
+    except OSError as e:
+        print(f"launch: no log file ({e}); set log.dir or log.file", file=sys.stderr)
+        path = ""
+    return msgspec.structs.replace(cfg, log=msgspec.structs.replace(cfg.log, file=path))
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    set_title("mas-launch")  # ps and top tell the launcher from the actors
+    if argv[:1] == ["logs"]:
+        from launch.logs import main as logs_main
+
+        return logs_main(argv[1:])
     args = parse_args(argv)
     try:
         cfg = load_config(args.config, args.overrides)
     except ConfigError as e:
         print(f"launch: {e}", file=sys.stderr)
         return 2
+    cfg = with_run_log(cfg)
     configure_logging(cfg.log, "launcher")
     log = get_logger()
     try:
@@ -59,13 +88,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"launch: {e}", file=sys.stderr)
         return 2
     addrs = derive_addresses(cfg)
-    log.info("launch.start", model=model.name, path=model.path, ipc_dir=addrs.ipc_dir)
+    log.info("launch.start", model=model.name, path=model.path, ipc_dir=addrs.ipc_dir,
+             log_file=cfg.log.file or None)
 
     def on_ready(info: dict[str, str]) -> None:
         client = info.get("client", addrs.client)
         http = f" http {info['http']}" if "http" in info else ""
-        log.info("launch.ready", client=client, http=info.get("http"))
-        print(f"mlx-actor-serve ready: model {model.name} client {client}{http}", flush=True)
+        logs = f" log {cfg.log.file}" if cfg.log.file else ""
+        log.info("launch.ready", client=client, http=info.get("http"),
+                 log_file=cfg.log.file or None)
+        print(f"mlx-actor-serve ready: model {model.name} client {client}{http}{logs}",
+              flush=True)
 
     from launch.supervisor import Supervisor
 

@@ -4,6 +4,9 @@ graph down in order when asked (SIGINT/SIGTERM) or when any actor dies.
 Shutdown order: the tokenizer first (it refuses new requests, drains open ones up to the
 deadline, then answers the rest with an error), then scheduler, runner, detokenizer. Each stage:
 a Shutdown message, a grace period, SIGTERM, SIGKILL. No orphans, no leftover ipc files.
+
+The supervisor is also the one process that rotates the run's log file (launch/logs/files.py),
+once a second, for as long as it runs.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import zmq
 import zmq.asyncio
 
 from actors.logs import get_logger
+from launch.logs.files import rotate
 from models.info import ModelInfo
 from protocol import messages as m
 from protocol.codec import decoder, encode
@@ -37,6 +41,7 @@ def _entries() -> dict[str, Callable]:
 
 
 STOP_ORDER = ("tokenizer", "scheduler", "runner", "detokenizer")
+ROTATE_EVERY_S = 1.0  # writers look for a rotation twice as often (actors/logs.py CHECK_S)
 
 
 class StartupError(RuntimeError):
@@ -61,6 +66,7 @@ class Supervisor:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, self._on_signal, sig)
         inbox = pull_socket(self.zctx, self.addrs.launcher)
+        rotation = asyncio.ensure_future(self._rotate_logs())
         try:
             self._spawn()
             info = await self._wait_ready(inbox)
@@ -73,10 +79,28 @@ class Supervisor:
             self.exit_code = 1
             await self._shutdown(str(e), drain=False)
         finally:
+            rotation.cancel()
             inbox.close(linger=0)
             self.zctx.destroy(linger=0)
             shutil.rmtree(self.addrs.ipc_dir, ignore_errors=True)
         return self.exit_code
+
+    async def _rotate_logs(self) -> None:
+        """Keep the run's log file under log.max_file_mib: this process alone renames it; the
+        actors reopen it on their own (actors/logs.py). A failure is logged once."""
+        cfg = self.cfg.log
+        if not cfg.file:
+            return
+        warned = False
+        while True:
+            await asyncio.sleep(ROTATE_EVERY_S)
+            try:
+                if rotate(cfg.file, cfg.max_file_mib << 20, cfg.backups):
+                    self.log.info("log.rotated", file=cfg.file, backups=cfg.backups)
+            except OSError as e:
+                if not warned:
+                    self.log.warning("log.rotate_failed", file=cfg.file, error=str(e))
+                    warned = True
 
     def _stop_once(self, reason: str, drain: bool) -> None:
         if not self.stop.done():

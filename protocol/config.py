@@ -24,13 +24,15 @@ class Section(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=T
 
 # The built-ins (models/builtin.py) and their format variants (models/formats.py).
 BUILTIN_NAME = (r"^(qwen3-tiny|qwen3-small|qwen3_5-tiny|gemma3-tiny)"
-                r"(-(4|8)bit(-g(32|64|128))?)?(-bf16)?$")
+                r"(-[234568]bit(-g(32|64|128))?|-(mxfp4|mxfp8)(-g32)?|-nvfp4(-g16)?)?"
+                r"(-(bf16|fp16))?$")
 
 
 class ModelConfig(Section):
     # A built-in model the project builds on first use, used when `path` is empty.
     # A built-in, or one of its format variants made by mlx_lm.convert (models/formats.py):
-    # qwen3-small-4bit, qwen3-tiny-8bit-g32, qwen3_5-tiny-bf16, qwen3-small-4bit-bf16, ...
+    # qwen3-small-4bit, qwen3-tiny-3bit-g32, qwen3-tiny-mxfp4, qwen3_5-tiny-bf16, -fp16,
+    # qwen3-small-4bit-bf16, ...
     builtin: Annotated[str, Meta(pattern=BUILTIN_NAME)] = "qwen3-small"
     # Any local mlx-lm model directory (config.json, *.safetensors, tokenizer files).
     path: str = ""
@@ -47,10 +49,76 @@ class ServerConfig(Section):
     ipc_dir: str = ""
     # OpenAI-compatible HTTP API on the same host; 0 picks a free port, -1 turns it off.
     http_port: Annotated[int, Meta(ge=-1, le=65535)] = 8000
-    api_key: str = ""  # when set, every HTTP route but /health needs "Authorization: Bearer KEY"
+    # When set, every HTTP route but /health needs "Authorization: Bearer KEY", and every ZMQ
+    # request its api_key field (Client(api_key=...), mas-client --api-key).
+    api_key: str = ""
     # /health with no step finished in the last few seconds sends a one-token probe request
     # through all four actors; 503 unless it is answered within this many seconds.
     health_timeout_s: Annotated[float, Meta(gt=0)] = 20.0
+    # ZMQ CURVE on the client endpoint (encrypted, and the server proven by its key): the
+    # server's keypair as Z85 text, 40 characters each (zmq.curve_keypair()), or instead
+    # curve_key_file, a secret certificate written by zmq.auth.create_certificates (the
+    # `.key_secret` file). Clients pass the public key: Client(server_key=...), --server-key.
+    curve_public_key: str = ""
+    curve_secret_key: str = ""
+    curve_key_file: str = ""
+
+    def __post_init__(self) -> None:
+        self.curve_keys()  # a malformed key fails the config load, naming the key
+
+    def curve_keys(self) -> tuple[bytes, bytes] | None:
+        """(public, secret) when CURVE is on, else None. ValueError naming the key that is not
+        usable (never showing a secret)."""
+        inline = bool(self.curve_public_key or self.curve_secret_key)
+        if not inline and not self.curve_key_file:
+            return None
+        import zmq
+
+        if not zmq.has("curve"):
+            raise ValueError("server.curve_*: this pyzmq's libzmq has no CURVE support")
+        if inline and self.curve_key_file:
+            raise ValueError("server.curve_key_file: give either the key file or "
+                             "server.curve_public_key and server.curve_secret_key, not both")
+        if inline:
+            public = _z85_key("server.curve_public_key", self.curve_public_key)
+            secret = _z85_key("server.curve_secret_key", self.curve_secret_key)
+        else:
+            public, secret = _key_file(self.curve_key_file)
+        if zmq.curve_public(secret) != public:
+            where = ("server.curve_key_file" if self.curve_key_file
+                     else "server.curve_public_key")
+            raise ValueError(f"{where}: the public key is not the one of the secret key")
+        return public, secret
+
+
+Z85_CHARS = frozenset("0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
+                      ".-:+=^!/*?&<>()[]{}@%$#")
+
+
+def _z85_key(name: str, text: str) -> bytes:
+    """A CURVE key as Z85 text (40 characters), or ValueError naming the key."""
+    if not text:
+        raise ValueError(f"{name}: missing (the public and the secret key go together)")
+    if len(text) != 40 or not Z85_CHARS.issuperset(text):
+        raise ValueError(f"{name}: expected a CURVE key of 40 Z85 characters "
+                         f"(zmq.curve_keypair()), got {len(text)} characters"
+                         + ("" if Z85_CHARS.issuperset(text) else " with some outside Z85"))
+    return text.encode()
+
+
+def _key_file(path: str) -> tuple[bytes, bytes]:
+    import zmq.auth
+
+    try:
+        public, secret = zmq.auth.load_certificate(Path(path).expanduser())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"server.curve_key_file: cannot read a certificate from {path}: "
+                         f"{e}") from None
+    if secret is None:
+        raise ValueError(f"server.curve_key_file: {path} holds no secret-key (give the "
+                         "`.key_secret` file that zmq.auth.create_certificates writes)")
+    return (_z85_key("server.curve_key_file public-key", public.decode("latin-1")),
+            _z85_key("server.curve_key_file secret-key", secret.decode("latin-1")))
 
 
 class SchedulerConfig(Section):
@@ -123,7 +191,17 @@ class LogConfig(Section):
     # auto: console when stderr is a terminal, JSON lines otherwise.
     format: Literal["auto", "json", "console"] = "auto"
     stderr: bool = True
-    file: str = ""  # also append JSON lines here when set
+    # Every run also writes JSON lines to a file of its own in this folder,
+    # `<YYYYmmdd-HHMMSS>-<launcher pid>.jsonl`, named by the ready line (`launch logs FILE`
+    # reads it). Empty: no file unless `file` is set.
+    dir: str = "~/.cache/mlx-actor-serve/logs"
+    file: str = ""  # this file instead of a new one in `dir` (appended to if it exists)
+    # Past this size the launcher rotates the file (FILE -> FILE.1 -> ... FILE.<backups>, the
+    # oldest dropped), so one run takes at most max_file_mib * (backups + 1) of disk.
+    max_file_mib: Annotated[int, Meta(ge=1, le=1 << 20)] = 64
+    backups: Annotated[int, Meta(ge=0, le=100)] = 4
+    # Run files kept in `dir`: a new run deletes the oldest ones beyond this count.
+    keep_runs: Annotated[int, Meta(ge=1, le=100_000)] = 20
     # How often the runner logs its utilisation (busy fraction, steps/s) while it has work.
     stats_interval_s: Seconds = 5.0
 

@@ -99,6 +99,7 @@ class GenerateRequest(ClientWire, tag=_tag("GenerateRequest")):
     # wait for it and reuse it through the prefix cache.
     group: str = ""
     chat_template_kwargs: dict[str, Any] = {}  # passed to the chat template (with messages)
+    api_key: str = ""  # server.api_key, when the server has one (ZMQ; HTTP sends a header)
 
 
 class AbortRequest(ClientWire, tag=_tag("AbortRequest")):
@@ -120,7 +121,7 @@ class Finished(ClientWire, tag=_tag("Finished")):
     """The one terminal reply of a request that ran: stop, length or abort."""
 
     req_id: str
-    text: str  # the whole text when not streamed; the last piece when streamed
+    text: str  # the whole text when not streamed; "" when streamed (the client joins the pieces)
     token_ids: list[int]  # every generated token id
     finish_reason: str
     prompt_tokens: int

@@ -1,8 +1,10 @@
 """Addresses and sockets. Every edge inside the graph is PUSH -> PULL; each actor binds its one
-PULL inbox. Clients reach the tokenizer's ROUTER socket over tcp://."""
+PULL inbox. Clients reach the tokenizer's ROUTER socket over tcp://, encrypted with CURVE when
+the server has a keypair (server.curve_*)."""
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import tempfile
 from pathlib import Path
@@ -68,3 +70,31 @@ def pull_socket(ctx: zmq.Context, address: str) -> zmq.Socket:
     sock.setsockopt(zmq.RCVHWM, 0)
     sock.bind(address)
     return sock
+
+
+def curve_server(sock: zmq.Socket, public: bytes, secret: bytes) -> None:
+    """Make sock a CURVE server (before it binds): every connection is encrypted, and only
+    clients that know the public key complete the handshake. Any client keypair is accepted."""
+    sock.curve_secretkey = secret
+    sock.curve_publickey = public
+    sock.curve_server = True
+
+
+def curve_client(sock: zmq.Socket, server_key: str | bytes) -> None:
+    """Make sock a CURVE client of the server with this public key (before it connects), with a
+    fresh keypair of its own."""
+    key = server_key.encode() if isinstance(server_key, str) else server_key
+    if len(key) != 40:
+        raise ValueError(f"server_key: a CURVE public key is 40 Z85 characters, got {len(key)}")
+    sock.curve_serverkey = key
+    sock.curve_publickey, sock.curve_secretkey = zmq.curve_keypair()
+
+
+def is_loopback(host: str) -> bool:
+    """Only this machine can reach a socket bound on host."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:  # a name, "*", or an interface: reachable from elsewhere as far as we know
+        return False

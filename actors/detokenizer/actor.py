@@ -50,7 +50,10 @@ async def serve(shell: Shell) -> None:
         for msg in await inbox.recv_all():
             match msg:
                 case m.TokenBatch():
-                    await shell.send("tokenizer", convert(core, stops, msg))
+                    text = convert(core, stops, msg)
+                    for fin in msg.finished:  # per request, not per token
+                        shell.log.debug("request.detokenized", rid=fin.rid, reason=fin.reason)
+                    await shell.send("tokenizer", text)
                 case m.Shutdown():
                     return
 

@@ -84,8 +84,13 @@ class SchedulerActor:
                 match msg:
                     case m.TokenizedRequest():
                         self.arrival[msg.rid] = time.monotonic()
-                        out.merge(self.core.add(msg.rid, unpack_ids(msg.input_ids), msg.params,
-                                                group=msg.group))
+                        added = self.core.add(msg.rid, unpack_ids(msg.input_ids), msg.params,
+                                              group=msg.group)
+                        # A refused one ends at once (request.ended), never queued.
+                        if not any(f.rid == msg.rid for f in added.finished):
+                            self.log.info("request.queued", rid=msg.rid,
+                                          queued=len(self.core.queue))
+                        out.merge(added)
                     case m.Abort():
                         self.log.info("request.abort", rid=msg.rid)
                         out.merge(self.core.abort(msg.rid))
@@ -96,18 +101,25 @@ class SchedulerActor:
                     case m.Shutdown():
                         return
             msgs = []
+            # Retractions are logged before the admissions of the same pass (a request
+            # retracted and admitted again reads in order), endings before the detokenizer
+            # sees them (request.ended before the tokenizer's request.finished).
+            logged = self._log_retractions(out, 0)
             while len(self.core.futures) < self.depth:
                 batch = self.core.schedule()
                 if batch is None:
                     break
                 await self.shell.send("runner", batch)
+                out.merge(self.core.take())
+                logged = self._log_retractions(out, logged)
                 self._log_admissions(batch)
             # schedule() ends aborted requests that had nothing in flight.
             out.merge(self.core.take())
+            self._log_retractions(out, logged)
+            self._log_endings(out)
             if out:
                 await self.shell.send("detokenizer", out.to_batch(
                     running=len(self.core.running), queued=len(self.core.queue)))
-            self._log_outputs(out)
             self._log_cache()
             self._check_idle()
 
@@ -128,17 +140,24 @@ class SchedulerActor:
                                            batch.future, batch.sample):
             if not fut and not (start == 0 and smp):
                 req = next((r for r in self.core.running if r.row == row), None)
-                self.log.debug("request.prefill_chunk", rid=req.rid if req else None, row=row,
-                               start=start, tokens=n, last=smp, step=batch.step)
+                # Info, not debug: one per chunk of a prompt split in chunks (or the rest of a
+                # prompt after a prefix hit), never per token.
+                self.log.info("request.prefill_chunk", rid=req.rid if req else None, row=row,
+                              start=start, tokens=n, last=smp, step=batch.step)
 
-    def _log_outputs(self, out: Outputs) -> None:
-        for rid in out.retracted:
+    def _log_retractions(self, out: Outputs, logged: int) -> int:
+        """Log out.retracted[logged:]; returns how many of out.retracted are logged now."""
+        for rid in out.retracted[logged:]:
             self.log.warning("request.retracted", rid=rid, free_slots=self.core.slots.available)
+        return len(out.retracted)
+
+    def _log_endings(self, out: Outputs) -> None:
         for fin in out.finished:
             self.arrival.pop(fin.rid, None)
             self.log.info("request.ended", rid=fin.rid, reason=fin.reason,
                           prompt_tokens=fin.prompt_tokens,
-                          completion_tokens=fin.completion_tokens)
+                          completion_tokens=fin.completion_tokens,
+                          cached_tokens=fin.cached_tokens, error=fin.message or None)
 
     def _log_cache(self) -> None:
         """Inserts and evictions as they happen; the hit rate per stats interval."""

@@ -17,14 +17,16 @@ from models.tokenizer import load_tokenizer
 from actors.tokenizer.metrics import Metrics
 from protocol import messages as m
 from protocol.codec import encode
-from protocol.transport import bind_tcp
+from protocol.config import ServerConfig
+from protocol.transport import bind_tcp, curve_server, is_loopback
 
 
 class TokenizerActor:
     def __init__(self, shell: Shell):
         self.shell, self.log = shell, shell.log
+        server = shell.cfg.server
         self.front = Frontend(load_tokenizer(shell.model.path), shell.model, shell.log,
-                              shell.cfg.limits)
+                              shell.cfg.limits, api_key=server.api_key)
         self.inbox = shell.bind_inbox(m.TokenizerInbox)
         self.router = shell.zctx.socket(zmq.ROUTER)
         self.router.setsockopt(zmq.LINGER, 0)
@@ -37,6 +39,9 @@ class TokenizerActor:
         # A frame over limits.max_frame_bytes gets an error reply naming the limit; one over
         # twice that is never buffered whole: ZMQ drops the connection that sends it.
         self.router.setsockopt(zmq.MAXMSGSIZE, 2 * shell.cfg.limits.max_frame_bytes)
+        curve = server.curve_keys()
+        if curve is not None:
+            curve_server(self.router, *curve)
         self.client_address = bind_tcp(self.router, shell.addrs.client)
         # ROUTER_NOTIFY is draft-only in the wheels, so a lost client is found from the
         # monitor's DISCONNECTED event, whose value is the connection's fd, and the fd each
@@ -46,7 +51,10 @@ class TokenizerActor:
         self.router_now = zmq.Socket.shadow(self.router.underlying)
         shell.on_parent_gone = lambda: self._send_now(self.front.fail_all("server launcher died"))
         self.metrics = Metrics()
-        self.http = HttpFront(self) if shell.cfg.server.http_port >= 0 else None
+        self.http = HttpFront(self) if server.http_port >= 0 else None
+        if unguarded := insecure_endpoints(server, curve is not None, self.http is not None):
+            self.log.warning("server.insecure_bind", host=server.host, endpoints=unguarded,
+                             hint="set server.api_key, and server.curve_* keys for ZMQ")
 
     async def serve(self) -> None:
         info = {"client": self.client_address}
@@ -179,6 +187,13 @@ class Peers:
     def close(self) -> None:
         self.router.disable_monitor()
         self.monitor.close(linger=0)
+
+
+def insecure_endpoints(server: ServerConfig, curve: bool, http: bool) -> list[str]:
+    """The client endpoints other machines can reach with nothing asking who they are."""
+    if is_loopback(server.host) or server.api_key:
+        return []
+    return [name for name, on in (("zmq", not curve), ("http", http)) if on]
 
 
 async def serve(shell: Shell) -> None:

@@ -10,6 +10,7 @@ request alone (500, counted in /metrics as an internal error) and the actor keep
 
 from __future__ import annotations
 
+import hmac
 import itertools
 import os
 from dataclasses import dataclass, field
@@ -45,8 +46,9 @@ class Open:
 
 class Frontend:
     def __init__(self, tokenizer: Any, model: ModelInfo, log: Any = None,
-                 limits: LimitsConfig = LimitsConfig()):
+                 limits: LimitsConfig = LimitsConfig(), api_key: str = ""):
         self.tokenizer, self.model, self.limits = tokenizer, model, limits
+        self.api_key = api_key.encode()  # ZMQ requests must carry it (HTTP checks a header)
         self.internal_errors = 0  # requests failed by a bug of ours (/metrics)
         self.log = log or structlog.get_logger()
         self.last_progress = 0.0  # when the last TextBatch arrived (health)
@@ -79,7 +81,19 @@ class Frontend:
             case m.AbortRequest():
                 return [], self.abort(identity, msg.req_id, "request.client_abort")
             case m.GenerateRequest():
+                if (refused := self._unauthorized(msg)) is not None:
+                    return self._reject(identity, msg.req_id, refused, 401)
                 return self.submit(identity, msg, now)
+
+    def _unauthorized(self, req: m.GenerateRequest) -> str | None:
+        """Why a ZMQ request may not run, when the server has an api_key: never echoes a key."""
+        if not self.api_key:
+            return None
+        if not req.api_key:
+            return "missing api_key: this server requires one (Client(api_key=...), --api-key)"
+        if not hmac.compare_digest(req.api_key.encode(), self.api_key):
+            return "invalid api_key: not the key this server was started with"
+        return None
 
     def _reject(self, identity: bytes, req_id: str, message: str, code: int = 400,
                 peer: str = "") -> tuple[list[Reply], list[bytes]]:

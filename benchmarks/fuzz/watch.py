@@ -84,7 +84,9 @@ class Graph:
 
 
 def start(model: str, log_path: Path, *overrides: str, ready_s: float = 30.0) -> Graph:
-    started = start_graph(f"model.builtin={model}", f"log.file={log_path}", "log.format=json",
+    started = start_graph(f"model.builtin={model}", f"log.file={log_path}",
+                          # The watcher reads the file by offset: a soak must never rotate it.
+                          "log.max_file_mib=1048576", "log.format=json",
                           *overrides)
     graph = Graph(started, LogTail(log_path))
     deadline = time.monotonic() + ready_s

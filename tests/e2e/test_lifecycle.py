@@ -87,7 +87,7 @@ def test_children_exit_when_the_launcher_is_killed(tiny):
     assert g.wait_gone(pids, timeout=30) == []
 
 
-def test_sigint_while_starting_stops_everything(tiny):
+def test_sigint_while_starting_stops_everything(tiny, tmp_path):
     import subprocess
     import sys
     import time
@@ -96,7 +96,8 @@ def test_sigint_while_starting_stops_everything(tiny):
 
     proc = subprocess.Popen([sys.executable, "-m", "launch", "--config",
                              str(ROOT / "configs" / "qwen.toml"), "--set", tiny,
-                             "--set", "server.port=0", "--set", "log.stderr=false"],
+                             "--set", "server.port=0", "--set", "log.stderr=false",
+                             "--set", f"log.dir={tmp_path}"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
     children: list[int] = []
     deadline = time.monotonic() + 30
