@@ -140,7 +140,10 @@ async def serve(shell: Shell) -> None:
         shell.log.warning("runner.kernels_missing", reason=installed.weights.missing,
                           fallback="jit")
     await tell_layers(shell, mlx.runner.layers.kinds)
-    await shell.ready(model=shell.model.name)
+    plan = installed.weights
+    await shell.ready(model=shell.model.name,
+                      weights=", ".join(f"{k}: {p.strategy}" for k, p in plan.kinds.items()),
+                      resident_bytes=str(sum(p.resident_bytes for p in plan.kinds.values())))
     try:
         while True:
             for msg in await inbox.recv_all():

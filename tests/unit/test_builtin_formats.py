@@ -1,9 +1,11 @@
-"""Format variants of the built-ins (models/formats.py): 4-bit, 8-bit and bf16 checkpoints made by
-mlx-lm's converter, cached and built atomically like the base, loadable, and still varied."""
+"""Format variants of the built-ins (models/formats.py): affine 2-8 bit, mxfp4, nvfp4, mxfp8, bf16
+and fp16 checkpoints made by mlx-lm's converter, cached and built atomically like the base,
+loadable, and still varied."""
 
 import dataclasses
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -14,19 +16,26 @@ import pytest
 
 from models import builtin, formats
 from models.formats import Format
+from protocol.config import BUILTIN_NAME
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # every load below is local; never reach for the hub
 
 PROMPTS = ["Hello world", "def fibonacci(n):", "人工智能是"]
-QUANTIZED = {  # name -> (bits, group size, dtype of scales, biases and norms)
-    "qwen3-tiny-4bit": (4, 64, mx.float32),
-    "qwen3-tiny-8bit": (8, 64, mx.float32),
-    "qwen3-tiny-4bit-bf16": (4, 64, mx.bfloat16),
-    "qwen3-tiny-4bit-g32": (4, 32, mx.float32),
-    "qwen3_5-tiny-4bit": (4, 64, mx.float32),
-    "gemma3-tiny-4bit": (4, 64, mx.float32),
+QUANTIZED = {  # name -> (mode, bits, group size, dtype of norms, and of affine scales and biases)
+    "qwen3-tiny-4bit": ("affine", 4, 64, mx.float32),
+    "qwen3-tiny-8bit": ("affine", 8, 64, mx.float32),
+    "qwen3-tiny-4bit-bf16": ("affine", 4, 64, mx.bfloat16),
+    "qwen3-tiny-4bit-g32": ("affine", 4, 32, mx.float32),
+    "qwen3_5-tiny-4bit": ("affine", 4, 64, mx.float32),
+    "gemma3-tiny-4bit": ("affine", 4, 64, mx.float32),
+    "qwen3-tiny-3bit": ("affine", 3, 64, mx.float32),
+    "qwen3-tiny-6bit-g32": ("affine", 6, 32, mx.float32),
+    "qwen3-tiny-mxfp4": ("mxfp4", 4, 32, mx.float32),
+    "qwen3-tiny-nvfp4": ("nvfp4", 4, 16, mx.float32),
+    "qwen3-tiny-mxfp8-fp16": ("mxfp8", 8, 32, mx.float16),
 }
-BF16 = ["qwen3-tiny-bf16", "qwen3_5-tiny-bf16"]
+HALF = {"qwen3-tiny-bf16": mx.bfloat16, "qwen3_5-tiny-bf16": mx.bfloat16,
+        "qwen3-tiny-fp16": mx.float16}
 FAST = {"qwen3-tiny-4bit", "qwen3-tiny-8bit", "qwen3-tiny-bf16"}  # the rest build or decode slowly
 
 
@@ -43,18 +52,66 @@ def stored_dtypes(directory) -> dict[str, mx.Dtype]:
     ("qwen3_5-tiny-8bit-g128", ("qwen3_5-tiny", Format(8, 128, "float32"))),
     ("gemma3-tiny-bf16", ("gemma3-tiny", Format(None, 64, "bfloat16"))),
     ("qwen3-small-4bit-g32-bf16", ("qwen3-small", Format(4, 32, "bfloat16"))),
-    ("qwen3-tiny", None), ("qwen3-tiny-3bit", None), ("llama-4bit", None),
-    ("qwen3-tiny-bf16-4bit", None), ("qwen3-tiny-g32", None),
+    ("qwen3-tiny-3bit", ("qwen3-tiny", Format(3, 64, "float32"))),
+    ("qwen3-tiny-2bit-g32", ("qwen3-tiny", Format(2, 32, "float32"))),
+    ("qwen3-tiny-5bit-fp16", ("qwen3-tiny", Format(5, 64, "float16"))),
+    ("qwen3-tiny-6bit-g128-bf16", ("qwen3-tiny", Format(6, 128, "bfloat16"))),
+    ("qwen3-tiny-mxfp4", ("qwen3-tiny", Format(4, 32, "float32", "mxfp4"))),
+    ("qwen3-tiny-mxfp4-g32", ("qwen3-tiny", Format(4, 32, "float32", "mxfp4"))),
+    ("qwen3_5-tiny-nvfp4-bf16", ("qwen3_5-tiny", Format(4, 16, "bfloat16", "nvfp4"))),
+    ("gemma3-tiny-mxfp8-fp16", ("gemma3-tiny", Format(8, 32, "float16", "mxfp8"))),
+    ("qwen3-tiny-fp16", ("qwen3-tiny", Format(None, 64, "float16"))),
+    ("qwen3-tiny", None), ("llama-4bit", None), ("qwen3-tiny-bf16-4bit", None),
+    ("qwen3-tiny-g32", None), ("qwen3-tiny-fp8", None), ("qwen3-tiny-mxfp4-4bit", None),
+    ("qwen3-tiny-bf16-fp16", None), ("qwen3-tiny-int4", None),
 ])  # fmt: skip
 def test_variant_names(name, parsed):
     assert formats.parse(name) == parsed
 
 
+@pytest.mark.parametrize("name, why", [
+    ("qwen3-tiny-7bit", "takes .* bits, not 7"),
+    ("qwen3-tiny-16bit", "not 16"),
+    ("qwen3-tiny-3bit-g48", "not 48"),
+    ("qwen3-tiny-mxfp4-g64", "mxfp4 quantizes in groups of 32, not 64"),
+    ("qwen3-tiny-nvfp4-g32", "nvfp4 quantizes in groups of 16, not 32"),
+    ("qwen3-tiny-mxfp8-g16-bf16", "mxfp8 quantizes in groups of 32, not 16"),
+])  # fmt: skip
+def test_impossible_variants_are_refused_naming_the_variant(name, why):
+    with pytest.raises(ValueError, match=f"^'{name}': .*{why}"):
+        formats.parse(name)
+
+
+def test_config_accepts_exactly_the_variants_that_parse():
+    """protocol/config.py's BUILTIN_NAME refuses at config time what the converter could not
+    make: the two grammars must agree on every name."""
+    parts = ["", "-2bit", "-3bit", "-4bit", "-5bit", "-6bit", "-7bit", "-8bit", "-mxfp4",
+             "-nvfp4", "-mxfp8", "-fp8"]
+    groups = ["", "-g16", "-g32", "-g64", "-g128", "-g48"]
+    dtypes = ["", "-bf16", "-fp16", "-fp32"]
+    for base in [*builtin.BUILTINS, "llama"]:
+        for name in (base + p + g + d for p in parts for g in groups for d in dtypes):
+            try:
+                valid = name in builtin.BUILTINS or formats.parse(name) is not None
+            except ValueError:
+                valid = False
+            assert bool(re.match(BUILTIN_NAME, name)) == valid, name
+
+
+def test_old_variant_folders_keep_their_names():
+    """A cached variant is found by its folder's name: adding kinds of variants must not
+    rename the folders of those built before (that would rebuild them all)."""
+    assert formats.FORMAT_VERSION == 1
+    assert formats.variant_hash("0123456789") == "9e8b0ccbd1"
+
+
 def test_unknown_names_and_groups_are_refused_before_building(tmp_path):
     with pytest.raises(KeyError, match="-4bit"):
-        builtin.ensure_builtin("qwen3-tiny-3bit", tmp_path)
+        builtin.ensure_builtin("qwen3-tiny-int4", tmp_path)
     with pytest.raises(ValueError, match="not 48"):
         builtin.ensure_builtin("qwen3-tiny-4bit-g48", tmp_path)
+    with pytest.raises(ValueError, match="groups of 16"):
+        builtin.ensure_builtin("qwen3-tiny-nvfp4-g64", tmp_path)
     # mlx-lm would leave every layer 64 wide in float32 and call the result 4-bit.
     with pytest.raises(ValueError, match="groups of 128 do not divide"):
         builtin.ensure_builtin("qwen3-tiny-4bit-g128", tmp_path)
@@ -112,22 +169,27 @@ def test_concurrent_variant_builds_agree(tmp_path):
 
 @pytest.mark.parametrize("name", cases(QUANTIZED))
 def test_quantized_variant_says_its_format_and_loads_quantized(loaded, name):
-    bits, group, dtype = QUANTIZED[name]
+    mode, bits, group, dtype = QUANTIZED[name]
     directory, model, tokenizer = loaded(name)
     assert {"config.json", "tokenizer.json", "tokenizer_config.json"} <= {
         p.name for p in directory.iterdir()}
     config = json.loads((directory / "config.json").read_text())
-    expected = {"group_size": group, "bits": bits, "mode": "affine"}
+    expected = {"group_size": group, "bits": bits, "mode": mode}
     assert config["quantization"] == config["quantization_config"] == expected
     assert config["torch_dtype"] == config["dtype"] == str(dtype).removeprefix("mlx.core.")
     assert config["mlx_actor_serve"]["builtin"] == name
     stored = stored_dtypes(directory)
     assert [d for k, d in stored.items() if k.endswith("embed_tokens.weight")] == [mx.uint32]
-    assert {stored[k] for k in stored if k.endswith((".scales", ".biases"))} == {dtype}
+    assert {d for k, d in stored.items() if k.endswith("norm.weight")} == {dtype}
+    # Affine scales and biases are in the model's dtype; the floating-point modes' scales are
+    # 8-bit exponents (or e4m3 for nvfp4), and they have no biases.
+    scales = {d for k, d in stored.items() if k.endswith((".scales", ".biases"))}
+    assert scales == ({dtype} if mode == "affine" else {mx.uint8})
+    assert any(k.endswith(".biases") for k in stored) == (mode == "affine")
     linears = [m for _, m in model.named_modules() if isinstance(m, nn.Linear)]
     quantized = [m for _, m in model.named_modules() if isinstance(m, nn.QuantizedLinear)]
     assert quantized and not linears  # every projection is quantized, none left float
-    assert {(m.bits, m.group_size) for m in quantized} == {(bits, group)}
+    assert {(m.mode, m.bits, m.group_size) for m in quantized} == {(mode, bits, group)}
     assert isinstance(model.model.embed_tokens, nn.QuantizedEmbedding)  # and the tied LM head
 
 
@@ -141,17 +203,18 @@ def test_tokenizer_files_are_the_bases(loaded, model_cache, name):
     assert all((base / f).read_bytes() == (directory / f).read_bytes() for f in files)
 
 
-@pytest.mark.parametrize("name", cases(BF16))
-def test_bf16_variant_stores_bfloat16(loaded, name):
+@pytest.mark.parametrize("name", cases(HALF))
+def test_half_variant_stores_its_dtype(loaded, name):
     directory, model, _ = loaded(name)
+    dtype = HALF[name]
     config = json.loads((directory / "config.json").read_text())
-    assert config["torch_dtype"] == config["dtype"] == "bfloat16"
+    assert config["torch_dtype"] == config["dtype"] == str(dtype).removeprefix("mlx.core.")
     assert "quantization" not in config
     stored = stored_dtypes(directory)
     # mlx-lm keeps the gated-delta decay rates (A_log) in float32, as in real Qwen3.5 checkpoints.
-    assert {k for k, d in stored.items() if d != mx.bfloat16} <= {
+    assert {k for k, d in stored.items() if d != dtype} <= {
         k for k in stored if k.endswith("A_log")}
-    assert model.model.embed_tokens.weight.dtype == mx.bfloat16
+    assert model.model.embed_tokens.weight.dtype == dtype
 
 
 def greedy(model, prompt_ids: list[int], steps: int) -> tuple[list[int], list[float]]:
@@ -165,7 +228,7 @@ def greedy(model, prompt_ids: list[int], steps: int) -> tuple[list[int], list[fl
     return tokens, gaps
 
 
-@pytest.mark.parametrize("name", cases([*QUANTIZED, *BF16]))
+@pytest.mark.parametrize("name", cases([*QUANTIZED, *HALF]))
 def test_greedy_continuations_stay_varied(loaded, name):
     """Quantizing random weights does not collapse them to one repeated token. (It does change
     the function: a 4-bit variant's greedy tokens differ from its float32 base's within the first
@@ -179,7 +242,7 @@ def test_greedy_continuations_stay_varied(loaded, name):
         assert len(set(tokens)) >= 12, (prompt, tokenizer.decode(tokens))
     assert len(set(continuations)) == len(PROMPTS)
     assert statistics.median(gaps) > 0.3
-    if "bf16" not in name:
+    if not name.endswith(("-bf16", "-fp16")):
         # float32 activations: winners as clear as the base's (measured over these 96 steps: the
         # smallest gap 2.5e-3 to 0.04, none under 1e-3).
         assert sum(gap < 1e-3 for gap in gaps) <= 2

@@ -18,6 +18,8 @@ from protocol.config import RuntimeConfig
 
 STRATEGIES = ["mlx", "jit", "resident", "auto"]
 PROMPT = mx.array([[3, 14, 159, 2653, 5897, 9323, 8462]])
+# More rows than any kind's JIT_ROWS: "jit" dequantizes for this one.
+LONG = mx.array([[(7 * i * i + 3) % 1000 for i in range(40)]])
 
 
 @pytest.fixture(scope="module")
@@ -25,9 +27,9 @@ def tiny(model_cache):
     return ensure_builtin("qwen3-tiny", model_cache, progress=False)
 
 
-def quantized(path, bits=4, group=64):
+def quantized(path, bits=4, group=64, mode="affine"):
     model = load_model(str(path))
-    nn.quantize(model, group_size=group, bits=bits)
+    nn.quantize(model, group_size=group, bits=bits, mode=mode)
     return model
 
 
@@ -37,19 +39,69 @@ def bf16(path):
     return model
 
 
-@pytest.mark.parametrize("bits,group", [(4, 64), (8, 32), (3, 64)])
-def test_every_strategy_gives_mlx_logits(tiny, bits, group):
-    reference = quantized(tiny, bits, group)(PROMPT)
+@pytest.mark.parametrize("mode,bits,group", [
+    ("affine", 4, 64), ("affine", 8, 32), ("affine", 3, 64), ("affine", 6, 64),
+    ("mxfp4", 4, 32), ("nvfp4", 4, 16), ("mxfp8", 8, 32),
+])  # fmt: skip
+def test_every_strategy_gives_mlx_logits(tiny, mode, bits, group):
+    # Few rows (jit: MLX's kernel), many (jit: dequantized), one row.
+    prompts = (PROMPT, LONG, PROMPT[:, :1])
+    reference = [quantized(tiny, bits, group, mode)(p) for p in prompts]
     for strategy in STRATEGIES:
-        model = quantized(tiny, bits, group)
+        model = quantized(tiny, bits, group, mode)
         plan = weights.install(model, RuntimeConfig(weights=strategy))
-        kind = f"affine-{bits}bit-g{group}"
+        kind = f"{mode}-{bits}bit-g{group}"
         assert list(plan.kinds) == [kind] and plan.kinds[kind].layers > 0
-        got = model(PROMPT)
-        assert mx.allclose(got, reference, atol=2e-3, rtol=1e-3).item(), strategy
-        assert mx.array_equal(mx.argmax(got, -1), mx.argmax(reference, -1)).item()
-        one = model(PROMPT[:, :1])  # one row: jit takes MLX's kernel, the others their own
-        assert mx.allclose(one, reference[:, :1], atol=2e-3, rtol=1e-3).item(), strategy
+        for prompt, want in zip(prompts, reference):
+            got = model(prompt)
+            # The floating-point modes' sums in another order: 5e-5 apart (measured).
+            assert mx.allclose(got, want, atol=2e-3, rtol=1e-3).item(), (strategy, prompt.shape)
+            assert mx.array_equal(mx.argmax(got, -1), mx.argmax(want, -1)).item()
+
+
+@pytest.mark.parametrize("mode,bits,group", [
+    ("affine", 2, 32), ("affine", 3, 64), ("affine", 5, 128), ("affine", 6, 64),
+    ("mxfp4", 4, 32), ("nvfp4", 4, 16), ("mxfp8", 8, 32),
+])  # fmt: skip
+def test_jit_dequantizes_from_its_kinds_row_count(mode, bits, group):
+    """Below JIT_ROWS rows a jit layer computes what MLX's kernel does, bit for bit; from
+    there the float32 product of the dequantized weight."""
+    layer = nn.QuantizedLinear.from_linear(nn.Linear(256, 96), group, bits, mode=mode)
+    layer.__class__ = weights._class_for(nn.QuantizedLinear, "jit")
+    rows = weights.JIT_ROWS[(mode, bits)]
+    w = mx.dequantize(layer.weight, layer.scales, layer.get("biases"), group_size=group,
+                      bits=bits, mode=mode, dtype=mx.float32)
+    for n in (1, rows - 1, rows, rows + 5):
+        x = mx.random.normal((n, 256))
+        if n < rows:
+            want = mx.quantized_matmul(x, layer.weight, layer.scales, layer.get("biases"),
+                                       group_size=group, bits=bits, mode=mode)
+        else:
+            want = x @ w.T
+        assert mx.array_equal(layer(x), want + layer.bias).item(), n
+
+
+@pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16])
+def test_half_precision_jit_and_resident_keep_the_models_dtype(tiny, dtype):
+    """bf16/fp16 weights upcast (jit: per product; resident: once) give MLX's own logits, in
+    the model's dtype: a float32 result would carry the rest of the model into float32."""
+    def half():
+        model = load_model(str(tiny))
+        model.set_dtype(dtype)
+        return model
+
+    reference = half()
+    for strategy in ["jit", "resident"]:
+        model = half()
+        plan = weights.install(model, RuntimeConfig(weights=strategy))
+        kind = str(dtype).removeprefix("mlx.core.")
+        assert plan.kinds[kind].strategy == strategy
+        assert (plan.kinds[kind].resident_bytes > 0) == (strategy == "resident")
+        for prompt in (PROMPT, PROMPT[:, :1]):
+            got, want = model(prompt), reference(prompt)
+            assert got.dtype == dtype, strategy
+            # MLX's half matmul sums in float32 and rounds once, as the upcast does.
+            assert mx.mean(mx.abs(got - want) > 0).item() < 1e-3, (strategy, prompt.shape)
 
 
 def test_bf16_strategies_give_mlx_logits(tiny):
@@ -77,10 +129,20 @@ def test_resident_layers_become_float32_layers(tiny):
     assert plan.kinds["affine-4bit-g64"].resident_bytes == sum(m.weight.nbytes for m in layers)
 
 
-def test_resident_that_does_not_fit_is_refused_naming_the_key(tiny):
-    model = quantized(tiny)
+@pytest.mark.parametrize("bits", [4, 3])
+def test_resident_that_does_not_fit_is_refused_naming_the_key(tiny, bits):
+    model = quantized(tiny, bits)
     with pytest.raises(ValueError, match="runtime.weight_memory_budget_mib"):
         weights.install(model, RuntimeConfig(weights="resident", weight_memory_budget_mib=1))
+    # The need is counted exactly, odd bits too (a uint32 holds 10 and a fraction 3-bit
+    # values): one MiB short is refused, the need rounded up fits.
+    need = weights.install(quantized(tiny, bits), RuntimeConfig(weights="resident"))
+    need = sum(p.resident_bytes for p in need.kinds.values())
+    with pytest.raises(ValueError, match="runtime.weight_memory_budget_mib"):
+        weights.install(model, RuntimeConfig(weights="resident",
+                                             weight_memory_budget_mib=need // 2**20))
+    weights.install(model, RuntimeConfig(weights="resident",
+                                         weight_memory_budget_mib=-(-need // 2**20)))
 
 
 def test_float32_model_is_left_alone(tiny):

@@ -8,15 +8,20 @@ tied LM head) gets one strategy, chosen at launch and logged (`runner.weights`):
 - "float32": MLX's own matmul through the BLAS; nothing changes.
 - "kernel": our compiled kernels (native/, module `mas_kernels`): affine 4 and 8 bits with
   groups of 32, 64 or 128, and bf16. They are MLX primitives, so they stay in the lazy graph.
-- "jit": one-row products through MLX's own kernel; products of more rows dequantize the
-  weight to float32 just in time and go through the BLAS.
-- "resident": upcast once to float32 at load (within `runtime.weight_memory_budget_mib`); the
-  layer then is a plain float32 layer and takes every float32 path.
+- "jit": products of few rows through MLX's own kernel; products of more rows dequantize (or
+  upcast) the weight to float32 just in time and go through the BLAS. "More" is where the
+  dequantization costs less than MLX's kernel on the extra rows (JIT_ROWS): two rows for
+  bf16/fp16 and mxfp8, up to 32 for 6-bit, whose dequantization MLX does slowly.
+- "resident": upcast once to float32 at load (within `runtime.weight_memory_budget_mib`). In a
+  model with float32 activations the layer then is a plain float32 layer and takes every
+  float32 path; in a bf16/fp16 model its products come back in the model's dtype, as the
+  stored layer's did (a float32 output would carry the rest of the model into float32).
 - "mlx": MLX's own ops for everything (`runtime.weights = "mlx"`, or not on the CPU).
 
 `runtime.weights = "auto"` takes "kernel" where the kernels cover the kind and are built, else
-"jit"; without the compiled kernels (no compiler at install) the launch log says what is
-missing and the runner serves through "jit".
+"jit" (every other format: 2, 3, 5, 6 bits, mxfp4, nvfp4, mxfp8, fp16); without the compiled
+kernels (no compiler at install) the launch log says what is missing and the runner serves
+through "jit".
 """
 
 from __future__ import annotations
@@ -73,8 +78,21 @@ def _in_f32(x: mx.array, product) -> mx.array:
 
 
 def _dequantized(module: nn.Module) -> mx.array:
+    """The weight in float32. (MLX's default for the floating-point modes is bfloat16: exact
+    for their values, but a float16 model would round it again.)"""
     return mx.dequantize(module.weight, module.scales, module.get("biases"),
-                         group_size=module.group_size, bits=module.bits, mode=module.mode)
+                         group_size=module.group_size, bits=module.bits, mode=module.mode,
+                         dtype=mx.float32)
+
+
+# From how many rows "jit" dequantizes, per (mode, bits): where mx.dequantize plus the
+# float32 BLAS product costs less than mx.quantized_matmul, which costs about the same per row
+# for every format (2-4 ms per row on a 3072x1024 weight; mxfp8 9) while dequantization differs
+# 10x (measured on this project's 2-core x86 machine with MKL: 2 and 4 bits 8-13 ms, 8 bits 25,
+# 3, 5 and 6 bits 60-95, mxfp4 and nvfp4 40, mxfp8 11). Kinds not listed dequantize from 2.
+JIT_ROWS = {("affine", 2): 6, ("affine", 3): 16, ("affine", 4): 4, ("affine", 5): 24,
+            ("affine", 6): 32, ("affine", 8): 8, ("mxfp4", 4): 16, ("nvfp4", 4): 16,
+            ("mxfp8", 8): 2}
 
 
 # The kernels module once install() found it: products run per layer per step, so no import
@@ -86,9 +104,8 @@ def _quantized_product(module: nn.Module, x: mx.array, strategy: str) -> mx.arra
     if strategy == "kernel":
         return _in_f32(x, lambda a: _kernels.affine_qmm(
             a, module.weight, module.scales, module["biases"], module.group_size, module.bits))
-    if strategy == "jit" and _rows(x) > 1:
-        weight = _dequantized(module)
-        return x @ weight.astype(x.dtype).T
+    if strategy == "jit" and _rows(x) >= JIT_ROWS.get((module.mode, module.bits), 2):
+        return _in_f32(x, lambda a: a @ _dequantized(module).T)
     return mx.quantized_matmul(x, module.weight, scales=module.scales,
                                biases=module.get("biases"), transpose=True,
                                group_size=module.group_size, bits=module.bits, mode=module.mode)
@@ -97,6 +114,13 @@ def _quantized_product(module: nn.Module, x: mx.array, strategy: str) -> mx.arra
 def _dense_product(module: nn.Module, x: mx.array, strategy: str) -> mx.array:
     if strategy == "kernel":
         return _in_f32(x, lambda a: _kernels.bf16_matmul(a, module.weight))
+    if strategy == "resident":  # the weight is float32 already
+        return _in_f32(x, lambda a: a @ module.weight.T)
+    if strategy == "jit" and _rows(x) > 1:
+        # MLX's bf16/fp16 matmul is scalar code on x86: the upcast and the BLAS cost less from
+        # two rows on (measured 3072x1024: 1.1-10x less for 2-128 rows); for one row MLX's
+        # own reads half the bytes and wins on large weights (the tied LM head).
+        return _in_f32(x, lambda a: a @ module.weight.astype(mx.float32).T)
     return x @ module.weight.T
 
 
@@ -104,6 +128,9 @@ class _Stored:
     """Mixin of a layer multiplied by its kind's strategy (set per class, see _class_for)."""
 
     strategy = "mlx"
+    # A resident layer of a bf16/fp16 model: the model's dtype, which the lookups of its
+    # float32 embedding come back in (its products come back in the input's dtype).
+    model_dtype: mx.Dtype | None = None
 
 
 class StoredQuantizedLinear(_Stored, nn.QuantizedLinear):
@@ -124,6 +151,10 @@ class StoredLinear(_Stored, nn.Linear):
 
 
 class StoredEmbedding(_Stored, nn.Embedding):
+    def __call__(self, x: mx.array) -> mx.array:
+        out = super().__call__(x)
+        return out if self.model_dtype is None else out.astype(self.model_dtype)
+
     def as_linear(self, x: mx.array) -> mx.array:
         return _dense_product(self, x, self.strategy)
 
@@ -131,17 +162,17 @@ class StoredEmbedding(_Stored, nn.Embedding):
 _BASES = {nn.QuantizedLinear: StoredQuantizedLinear,
           nn.QuantizedEmbedding: StoredQuantizedEmbedding,
           nn.Linear: StoredLinear, nn.Embedding: StoredEmbedding}
-_classes: dict[tuple[type, str], type] = {}
+_classes: dict[tuple[type, str, mx.Dtype | None], type] = {}
 
 
-def _class_for(cls: type, strategy: str) -> type:
-    """One subclass per (layer class, strategy), so the strategy is a class attribute and the
-    module keeps only its arrays."""
-    key = (cls, strategy)
+def _class_for(cls: type, strategy: str, model_dtype: mx.Dtype | None = None) -> type:
+    """One subclass per (layer class, strategy, model dtype), so these are class attributes
+    and the module keeps only its arrays."""
+    key = (cls, strategy, model_dtype)
     if key not in _classes:
         base = _BASES[cls]
         _classes[key] = type(f"{base.__name__}{strategy.title()}", (base,),
-                             {"strategy": strategy})
+                             {"strategy": strategy, "model_dtype": model_dtype})
     return _classes[key]
 
 
@@ -182,6 +213,14 @@ def _stored_bytes(module: nn.Module) -> int:
                and name in ("weight", "scales", "biases"))
 
 
+def _float32_bytes(module: nn.Module) -> int:
+    """The bytes of the weight upcast to float32 (a packed uint32 holds 32 / bits values:
+    10 and a fraction for 3 bits, so multiply before dividing)."""
+    if isinstance(module, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
+        return module.weight.size * 32 // module.bits * 4
+    return module.weight.size * 4
+
+
 def _strategy(module: nn.Module, wanted: str, kernels: Any) -> str:
     if kind_of(module) == "float32":
         return "float32"
@@ -196,17 +235,32 @@ def _budget(runtime: Any) -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2
 
 
-def _make_resident(module: nn.Module) -> None:
-    """Replace the stored weight by its float32 upcast: the layer becomes a float32 one."""
+def _model_dtype(model: nn.Module) -> mx.Dtype:
+    """The dtype of the model's activations: that of most floating parameters outside its
+    matmul layers (the norms). float32 when there are none."""
+    counts: dict[mx.Dtype, int] = {}
+    for _, module in model.named_modules():
+        if type(module) in _BASES or isinstance(module, _Stored):
+            continue
+        for value in module.values():
+            if isinstance(value, mx.array) and mx.issubdtype(value.dtype, mx.floating):
+                counts[value.dtype] = counts.get(value.dtype, 0) + 1
+    return max(counts, key=counts.get) if counts else mx.float32
+
+
+def _make_resident(module: nn.Module, model_dtype: mx.Dtype) -> None:
+    """Replace the stored weight by its float32 upcast: the layer becomes a float32 one, whose
+    products come back in `model_dtype` when that is not float32."""
     quantized = isinstance(module, (nn.QuantizedLinear, nn.QuantizedEmbedding))
-    weight = _dequantized(module) if quantized else module.weight
-    module.weight = weight.astype(mx.float32)
+    module.weight = _dequantized(module) if quantized else module.weight.astype(mx.float32)
     mx.eval(module.weight)
     for name in ("scales", "biases"):
         if name in module:
             del module[name]
     embedding = isinstance(module, (nn.Embedding, nn.QuantizedEmbedding))
-    module.__class__ = nn.Embedding if embedding else nn.Linear
+    plain = nn.Embedding if embedding else nn.Linear
+    module.__class__ = (plain if model_dtype == mx.float32
+                        else _class_for(plain, "resident", model_dtype))
 
 
 def install(model: nn.Module, runtime: Any) -> WeightPlan:
@@ -222,8 +276,8 @@ def install(model: nn.Module, runtime: Any) -> WeightPlan:
         _kernels = kernels if kernels is not None else _kernels
     modules = _matmul_modules(model)
     chosen = [(m, kind_of(m), _strategy(m, wanted, kernels)) for m in modules]
-    resident = sum(m.weight.size * 4 * (32 // m.bits if hasattr(m, "bits") else 1)
-                   for m, _, s in chosen if s == "resident")
+    resident = sum(_float32_bytes(m) for m, _, s in chosen if s == "resident")
+    model_dtype = _model_dtype(model) if resident else mx.float32
     if resident > _budget(runtime):
         raise ValueError(f"runtime.weights = \"resident\" needs {resident / 2**20:.0f} MiB of "
                          f"float32 weights; runtime.weight_memory_budget_mib allows "
@@ -233,7 +287,7 @@ def install(model: nn.Module, runtime: Any) -> WeightPlan:
         entry.layers += 1
         entry.stored_bytes += _stored_bytes(module)
         if strategy == "resident":
-            _make_resident(module)
+            _make_resident(module, model_dtype)
             entry.resident_bytes += module.weight.nbytes
         elif strategy != "float32":
             base = next(b for b in _BASES if isinstance(module, b))
