@@ -22,20 +22,7 @@ import time
 from typing import Any, Callable
 
 from actors.model_runner.cpu import blas
-
-
-def timed(fn: Callable[[], Any], repeat: int) -> float:
-    """Median ms of fn() evaluated, after two warm-up calls."""
-    import mlx.core as mx
-
-    for _ in range(2):
-        mx.eval(fn())
-    times = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        mx.eval(fn())
-        times.append(time.perf_counter() - start)
-    return 1000 * statistics.median(times)
+from benchmarks.kernels.skinny import median_ms
 
 
 def bandwidth_gbs() -> float:
@@ -98,7 +85,7 @@ def profile(model, batch: int, context: int, repeat: int, vocab: int) -> dict[st
                 c.offset -= 1
         return out
 
-    parts: dict[str, float] = {"step": timed(step, repeat)}
+    parts: dict[str, float] = {"step": median_ms(step, repeat)}
     build = []
     for _ in range(repeat):
         start = time.perf_counter()
@@ -112,23 +99,23 @@ def profile(model, batch: int, context: int, repeat: int, vocab: int) -> dict[st
     for _, m in layers:
         k = m.weight.shape[1] * (32 // m.bits if hasattr(m, "bits") else 1)
         x = hidden.setdefault(k, mx.random.normal((batch, 1, k)))
-        total += timed(lambda m=m, x=x: m(x), repeat)
+        total += median_ms(lambda m=m, x=x: m(x), repeat)
     parts["linear layers"] = total
     head, head_module = head_of(model)
     x = mx.random.normal((batch, 1, model.args.hidden_size))
-    parts["LM head"] = timed(lambda: head(x), repeat)
+    parts["LM head"] = median_ms(lambda: head(x), repeat)
     attn = [c for c in cache if hasattr(c, "keys") and c.keys is not None]
     if attn:
         k, v = attn[0].keys[..., :context, :], attn[0].values[..., :context, :]
         heads = model.args.num_attention_heads
         q = mx.random.normal((batch, heads, 1, k.shape[-1]))
-        core = timed(lambda: mx.fast.scaled_dot_product_attention(q, k, v, scale=0.1), repeat)
+        core = median_ms(lambda: mx.fast.scaled_dot_product_attention(q, k, v, scale=0.1), repeat)
         parts["attention core"] = core * len(attn)
     sampler = Sampler(vocab, batch)
     for row in range(1, batch + 1):
         sampler.admit(row, RowParams(), [])
     logits = mx.random.normal((batch, vocab))
-    parts["sampling (greedy)"] = timed(
+    parts["sampling (greedy)"] = median_ms(
         lambda: sampler.launch(list(range(1, batch + 1)), logits).arrays(), repeat)
     # The graph build overlaps the previous step in the runner; sampling follows the step.
     named = sum(v for k, v in parts.items()
@@ -146,7 +133,7 @@ def gemm_gflops(model, batch: int, repeat: int) -> float:
 
     k, n = model.args.hidden_size, model.args.intermediate_size
     x, w = mx.random.normal((batch, k)), mx.random.normal((n, k))
-    ms = timed(lambda: x @ w.T, repeat)
+    ms = median_ms(lambda: x @ w.T, repeat)
     return 2 * batch * k * n / ms / 1e6
 
 

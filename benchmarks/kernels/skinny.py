@@ -14,7 +14,8 @@ import time
 from actors.model_runner.cpu import blas
 
 
-def _median_ms(f, reps: int) -> float:
+def median_ms(f, reps: int) -> float:
+    """Median ms of f() evaluated, after one warm-up call (benchmarks.kernels.* share it)."""
     import mlx.core as mx
 
     mx.eval(f())
@@ -36,8 +37,8 @@ def shapes(rows: list[int]) -> None:
         for n in rows:
             x = mx.random.normal((n, d_in))
             mx.eval(x)
-            plain = _median_ms(lambda: x @ w.T, reps)
-            fast = _median_ms(lambda: (w @ x.T).T, reps)
+            plain = median_ms(lambda: x @ w.T, reps)
+            fast = median_ms(lambda: (w @ x.T).T, reps)
             print(f"{d_in:>5} -> {d_out:<6} rows {n:>3}: x @ W.T {plain:8.2f} ms, "
                   f"(W @ x.T).T {fast:8.2f} ms, ratio {fast / plain:.2f}")
 

@@ -15,6 +15,7 @@ from harness.graph import ROOT, Graph
 from models.builtin import ensure_builtin
 from models.tokenizer import load_tokenizer
 from protocol.client import AsyncClient
+from tests.e2e.streams import abort_a_stream
 
 pytestmark = pytest.mark.slow
 
@@ -38,17 +39,7 @@ async def _run(address: str):
                  for p in PROMPTS[half:]]
         streamed = [piece async for piece in stream][-1]
         done = [*await asyncio.gather(*first, *later), streamed]
-        victim = await client.generate("Tell me a long story", max_new_tokens=2000,
-                                       ignore_eos=True, stream=True, req_id="victim")
-        seen = 0
-        async for piece in victim:
-            if isinstance(piece, str):
-                seen += 1
-                if seen == 3:
-                    await client.abort("victim")
-            else:
-                aborted = piece
-        return done, aborted
+        return done, await abort_a_stream(client)
 
 
 def _logs(*args: str) -> str:

@@ -16,6 +16,7 @@ from models.builtin import ensure_builtin
 from protocol import messages as m
 from protocol.client import AsyncClient, Client, ServerError
 from tests.e2e.oracle import Oracle
+from tests.e2e.streams import abort_a_stream
 
 pytestmark = pytest.mark.slow
 
@@ -101,16 +102,7 @@ async def _abort_one(address: str):
     async with AsyncClient(address) as client:
         others = [asyncio.ensure_future(client.generate(p, max_new_tokens=MAX_NEW))
                   for p in PROMPTS[:3]]
-        stream = await client.generate("Tell me a long story", max_new_tokens=2000,
-                                       ignore_eos=True, stream=True, req_id="victim")
-        seen = 0
-        async for piece in stream:
-            if isinstance(piece, str):
-                seen += 1
-                if seen == 3:
-                    await client.abort("victim")
-            else:
-                final = piece
+        final = await abort_a_stream(client)
         return final, await asyncio.wait_for(asyncio.gather(*others), 60)
 
 
