@@ -161,7 +161,7 @@ class BatchedStates(ArraysCache):
 
 class DecodeBatch:
     """The positions and the per-layer batched caches. `rows` are the rows that decode, in
-    position order: the decode forward's output order once `live_logits` drops the rest."""
+    position order: the decode forward's output order once `live_index` picks them out."""
 
     def __init__(self):
         self.positions = Positions()
@@ -220,9 +220,6 @@ class DecodeBatch:
             self.slots[at] = None
             self.positions.lengths[at] = 0
         self._tidy()
-
-    def parked(self, row: int) -> bool:
-        return row in self.where and row not in self.decoding
 
     # -- the forward ----------------------------------------------------------------------------
 

@@ -191,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(results, indent=1))
-    write_plot(results, out / "throughput.png")
     text = write_markdown(results, Path(args.markdown), out / "throughput.png")
+    write_plot(results, out / "throughput.png")  # last: it needs the bench extra (matplotlib)
     print(text)
     return 0
