@@ -13,7 +13,7 @@ namespace nb = nanobind;
 using namespace nb::literals;
 
 NB_MODULE(_ext, m) {
-  m.doc() = "Quantized (affine) and bfloat16 matmul kernels for MLX on the CPU";
+  m.doc() = "Quantized (affine), bfloat16 and float32 matmul kernels for MLX on the CPU";
   m.attr("mlx_version") = MAS_MLX_VERSION;
 
   m.def("affine_qmm", &mas::affine_qmm, "x"_a, "w"_a, "scales"_a, "biases"_a,
@@ -24,6 +24,9 @@ NB_MODULE(_ext, m) {
         "float32, float16 or bfloat16.");
   m.def("bf16_matmul", &mas::bf16_matmul, "x"_a, "w"_a, nb::kw_only(), "stream"_a = nb::none(),
         "x [..., K] float32 @ w.T with w bfloat16 [N, K] -> [..., N] float32.");
+  m.def("f32_matmul", &mas::f32_matmul, "x"_a, "w"_a, nb::kw_only(), "stream"_a = nb::none(),
+        "x [..., K] float32 @ w.T with w float32 [N, K] -> [..., N] float32: one pass over w, "
+        "for few rows of x.");
 
   m.def("isa", [] { return std::string(mas::isa_name(mas::current_isa())); },
         "The kernel path in use: 'avx512', 'avx2' or 'scalar'.");

@@ -79,4 +79,17 @@ void bf16mm(const Bf16Args& a) {
   }
 }
 
+void f32mm(const F32Args& a) {
+  switch (g_isa.load()) {
+#if MAS_X86
+    case Isa::avx512:
+      return avx512::f32mm(a);
+    case Isa::avx2:
+      return avx2::f32mm(a);
+#endif
+    default:
+      return scalar::f32mm(a);
+  }
+}
+
 }  // namespace mas

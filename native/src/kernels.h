@@ -33,17 +33,29 @@ struct Bf16Args {
   int64_t M, N, K;
 };
 
+// out[M, N] = x[M, K] @ w.T with w float32 [N, K]: for few rows of x, where a BLAS GEMM is
+// far from the bandwidth a [M <= 32, K] x [K, N] product needs (one pass over w).
+struct F32Args {
+  const float* x;
+  const float* w;
+  float* out;
+  int64_t M, N, K;
+};
+
 namespace scalar {
 void qmm(const QmmArgs& a);
 void bf16mm(const Bf16Args& a);
+void f32mm(const F32Args& a);
 }  // namespace scalar
 namespace avx2 {
 void qmm(const QmmArgs& a);
 void bf16mm(const Bf16Args& a);
+void f32mm(const F32Args& a);
 }  // namespace avx2
 namespace avx512 {
 void qmm(const QmmArgs& a);
 void bf16mm(const Bf16Args& a);
+void f32mm(const F32Args& a);
 }  // namespace avx512
 
 // dispatch.cpp: the path in use, chosen from the CPU at load time.
@@ -54,6 +66,7 @@ void select_isa(Isa isa);  // caller checks cpu_has first
 const char* isa_name(Isa isa);
 void qmm(const QmmArgs& a);
 void bf16mm(const Bf16Args& a);
+void f32mm(const F32Args& a);
 
 // threads.cpp: one job at a time over a small pool; the calling thread takes part.
 // Runs fn(ctx, t) for t in [0, ntasks), in any order, on up to num_threads() threads.

@@ -186,6 +186,36 @@ struct Bf16 {
   }
 };
 
+// float32 weights: the "decode" is a plain load, k order unchanged.
+struct F32 {
+  static constexpr bool kTail = true;
+  const float* w;
+  int64_t K, ngroups, cpg = 1;  // a "group" is one chunk
+  const int* perm = kPerms.id;
+  bool has_tail;
+
+  struct Row {
+    const float* w;
+  };
+  struct Grp {};
+  Row row(int64_t n) const { return {w + n * K}; }
+  void widen(const Row&, int64_t, int64_t, float*, float*) const {}
+  Grp group(float, float) const { return {}; }
+  void prefetch(const Row& r, int64_t c, int rows_ahead) const {
+    _mm_prefetch(reinterpret_cast<const char*>(r.w + rows_ahead * K + c * CH), _MM_HINT_T0);
+  }
+  void chunk(const Row& r, int64_t c, const Grp&, vf& w0, vf& w1) const {
+    w0 = _mm256_loadu_ps(r.w + c * CH);
+    w1 = _mm256_loadu_ps(r.w + c * CH + W);
+  }
+  void tail(const Row& r, int64_t c, vf& w0, vf& w1) const {
+    alignas(32) float buf[CH] = {};
+    for (int64_t i = 0; i < K - c * CH; ++i) buf[i] = r.w[c * CH + i];
+    w0 = _mm256_load_ps(buf);
+    w1 = _mm256_load_ps(buf + W);
+  }
+};
+
 #include "driver.inc"
 
 }  // namespace

@@ -207,6 +207,39 @@ struct Bf16 {
   }
 };
 
+// float32 weights: the "decode" is a plain load, k order unchanged.
+struct F32 {
+  static constexpr bool kTail = true;
+  const float* w;
+  int64_t K, ngroups, cpg = 1;  // a "group" is one chunk
+  const int* perm = kPerms.id;
+  bool has_tail;
+
+  struct Row {
+    const float* w;
+  };
+  struct Grp {};
+  Row row(int64_t n) const { return {w + n * K}; }
+  void widen(const Row&, int64_t, int64_t, float*, float*) const {}
+  Grp group(float, float) const { return {}; }
+  void prefetch(const Row& r, int64_t c, int rows_ahead) const {
+    const char* p = reinterpret_cast<const char*>(r.w + rows_ahead * K + c * CH);
+    _mm_prefetch(p, _MM_HINT_T0);  // a chunk of 32 floats is two cache lines
+    _mm_prefetch(p + 64, _MM_HINT_T0);
+  }
+  void chunk(const Row& r, int64_t c, const Grp&, vf& w0, vf& w1) const {
+    w0 = _mm512_loadu_ps(r.w + c * CH);
+    w1 = _mm512_loadu_ps(r.w + c * CH + W);
+  }
+  void tail(const Row& r, int64_t c, vf& w0, vf& w1) const {
+    const int64_t left = K - c * CH;  // 1 .. CH - 1
+    const __mmask16 m0 = left >= W ? 0xFFFF : static_cast<__mmask16>((1u << left) - 1);
+    const __mmask16 m1 = left > W ? static_cast<__mmask16>((1u << (left - W)) - 1) : 0;
+    w0 = _mm512_maskz_loadu_ps(m0, r.w + c * CH);
+    w1 = _mm512_maskz_loadu_ps(m1, r.w + c * CH + W);
+  }
+};
+
 #include "driver.inc"
 
 }  // namespace

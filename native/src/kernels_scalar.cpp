@@ -101,6 +101,18 @@ void bf16_task(void* ctx, int64_t task) {
   }
 }
 
+struct F32Job {
+  const F32Args* a;
+};
+
+void f32_task(void* ctx, int64_t task) {
+  const F32Args& a = *static_cast<F32Job*>(ctx)->a;
+  const int64_t n1 = (task + 1) * kRowsPerTask < a.N ? (task + 1) * kRowsPerTask : a.N;
+  for (int64_t n = task * kRowsPerTask; n < n1; ++n) {
+    for (int64_t m = 0; m < a.M; ++m) a.out[m * a.N + n] = dot(a.x + m * a.K, a.w + n * a.K, a.K);
+  }
+}
+
 }  // namespace
 
 void qmm(const QmmArgs& a) {
@@ -111,6 +123,11 @@ void qmm(const QmmArgs& a) {
 void bf16mm(const Bf16Args& a) {
   Bf16Job job{&a};
   parallel_for((a.N + kRowsPerTask - 1) / kRowsPerTask, bf16_task, &job);
+}
+
+void f32mm(const F32Args& a) {
+  F32Job job{&a};
+  parallel_for((a.N + kRowsPerTask - 1) / kRowsPerTask, f32_task, &job);
 }
 
 }  // namespace mas::scalar

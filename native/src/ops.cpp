@@ -175,20 +175,36 @@ std::vector<mx::Shape> AffineQmm::output_shapes(const std::vector<mx::array>& in
   return {out_shape(inputs[0], inputs[1])};
 }
 
-mx::array bf16_matmul(const mx::array& x, const mx::array& w, mx::StreamOrDevice s) {
-  if (x.dtype() != mx::float32) throw std::invalid_argument("bf16_matmul: x must be float32");
-  if (w.dtype() != mx::bfloat16 || w.ndim() != 2) {
-    throw std::invalid_argument("bf16_matmul: w must be a 2-D bfloat16 array [N, K]");
+namespace {
+
+mx::array dense_matmul(const mx::array& x, const mx::array& w, mx::Dtype wtype, const char* op,
+                       mx::StreamOrDevice s) {
+  const std::string name(op);
+  if (x.dtype() != mx::float32) throw std::invalid_argument(name + ": x must be float32");
+  if (w.dtype() != wtype || w.ndim() != 2) {
+    throw std::invalid_argument(name + ": w must be a 2-D " +
+                                (wtype == mx::float32 ? "float32" : "bfloat16") +
+                                " array [N, K]");
   }
   if (x.ndim() < 1 || x.shape(-1) != w.shape(1)) {
-    throw std::invalid_argument("bf16_matmul: x " + shape_str(x.shape()) + " does not match w " +
+    throw std::invalid_argument(name + ": x " + shape_str(x.shape()) + " does not match w " +
                                 shape_str(w.shape()));
   }
-  mx::Stream stream = cpu_stream(s, "bf16_matmul");
-  return mx::array(out_shape(x, w), mx::float32, std::make_shared<Bf16Matmul>(stream), {x, w});
+  mx::Stream stream = cpu_stream(s, op);
+  return mx::array(out_shape(x, w), mx::float32, std::make_shared<DenseMatmul>(stream), {x, w});
 }
 
-void Bf16Matmul::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
+}  // namespace
+
+mx::array bf16_matmul(const mx::array& x, const mx::array& w, mx::StreamOrDevice s) {
+  return dense_matmul(x, w, mx::bfloat16, "bf16_matmul", s);
+}
+
+mx::array f32_matmul(const mx::array& x, const mx::array& w, mx::StreamOrDevice s) {
+  return dense_matmul(x, w, mx::float32, "f32_matmul", s);
+}
+
+void DenseMatmul::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
   auto& enc = mx::cpu::get_command_encoder(stream());
   out.set_data(mx::allocator::malloc(out.nbytes()));
   if (out.size() == 0) return;
@@ -197,26 +213,29 @@ void Bf16Matmul::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) 
   enc.set_input_array(x);
   enc.set_input_array(w);
   enc.set_output_array(out);
-  Bf16Args args;
-  args.x = x.data<float>();
-  args.w = w.data<uint16_t>();
-  args.out = out.data<float>();
-  args.K = x.shape(-1);
-  args.M = static_cast<int64_t>(x.size()) / args.K;
-  args.N = w.shape(0);
-  if (args.K == 0) {  // empty sum
-    enc.dispatch([o = args.out, n = out.size()]() { std::memset(o, 0, n * sizeof(float)); });
+  const int64_t K = x.shape(-1);
+  if (K == 0) {  // empty sum
+    enc.dispatch([o = out.data<float>(), n = out.size()]() {
+      std::memset(o, 0, n * sizeof(float));
+    });
     return;
   }
-  enc.dispatch([args]() { bf16mm(args); });
+  const int64_t M = static_cast<int64_t>(x.size()) / K, N = w.shape(0);
+  if (w.dtype() == mx::float32) {
+    F32Args args{x.data<float>(), w.data<float>(), out.data<float>(), M, N, K};
+    enc.dispatch([args]() { f32mm(args); });
+  } else {
+    Bf16Args args{x.data<float>(), w.data<uint16_t>(), out.data<float>(), M, N, K};
+    enc.dispatch([args]() { bf16mm(args); });
+  }
 }
 
-void Bf16Matmul::eval_gpu(const std::vector<mx::array>&, mx::array&) {
+void DenseMatmul::eval_gpu(const std::vector<mx::array>&, mx::array&) {
   throw std::runtime_error(
-      "mas_kernels.bf16_matmul has no GPU kernel: use x @ w.T on the GPU");
+      "mas_kernels' dense matmuls have no GPU kernel: use x @ w.T on the GPU");
 }
 
-std::vector<mx::Shape> Bf16Matmul::output_shapes(const std::vector<mx::array>& inputs) {
+std::vector<mx::Shape> DenseMatmul::output_shapes(const std::vector<mx::array>& inputs) {
   return {out_shape(inputs[0], inputs[1])};
 }
 

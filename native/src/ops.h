@@ -17,6 +17,9 @@ mx::array affine_qmm(const mx::array& x, const mx::array& w, const mx::array& sc
 // x [..., K] float32 @ w.T with w bfloat16 [N, K] -> [..., N] float32.
 mx::array bf16_matmul(const mx::array& x, const mx::array& w, mx::StreamOrDevice s = {});
 
+// x [..., K] float32 @ w.T with w float32 [N, K] -> [..., N] float32 (for few rows of x).
+mx::array f32_matmul(const mx::array& x, const mx::array& w, mx::StreamOrDevice s = {});
+
 class AffineQmm : public mx::UnaryPrimitive {
  public:
   AffineQmm(mx::Stream stream, int group_size, int bits)
@@ -32,12 +35,13 @@ class AffineQmm : public mx::UnaryPrimitive {
   int bits_;
 };
 
-class Bf16Matmul : public mx::UnaryPrimitive {
+// x @ w.T for a dense weight, bfloat16 or float32 (the kernel follows w's dtype).
+class DenseMatmul : public mx::UnaryPrimitive {
  public:
-  explicit Bf16Matmul(mx::Stream stream) : mx::UnaryPrimitive(stream) {}
+  explicit DenseMatmul(mx::Stream stream) : mx::UnaryPrimitive(stream) {}
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
   void eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) override;
-  const char* name() const override { return "MasBf16Matmul"; }
+  const char* name() const override { return "MasDenseMatmul"; }
   bool is_equivalent(const mx::Primitive& other) const override { return true; }
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override;
 };

@@ -92,24 +92,31 @@ def test_affine_qmm_long_rows(isa, m):
                  mx.abs(x) @ dequantized(wq, s, b, gs, 4, magnitude=True).T, k)
 
 
-def test_bf16_matmul_matches_upcast_product(isa):
+DENSE = {"bf16": (mx.bfloat16, "bf16_matmul"), "f32": (mx.float32, "f32_matmul")}
+
+
+@pytest.mark.parametrize("kind", DENSE)
+def test_dense_matmul_matches_float32_product(isa, kind):
+    dtype, op = DENSE[kind]
     mx.random.seed(7)
     for k in (1, 31, 32, 33, 100, 640, 2049, 4100):
         for n in (1, 3, 257):
-            w = (mx.random.normal((n, k)) * 0.05).astype(mx.bfloat16)
+            w = (mx.random.normal((n, k)) * 0.05).astype(dtype)
             wf = w.astype(mx.float32)
             for m in ROWS if k <= 640 else (1, 6, 33):
                 x = mx.random.normal((m, k))
-                assert_close(mk.bf16_matmul(x, w), x @ wf.T, mx.abs(x) @ mx.abs(wf).T, k)
+                assert_close(getattr(mk, op)(x, w), x @ wf.T, mx.abs(x) @ mx.abs(wf).T, k)
 
 
-def test_bf16_matmul_wide(isa):
+@pytest.mark.parametrize("kind", DENSE)
+def test_dense_matmul_wide(isa, kind):
+    dtype, op = DENSE[kind]
     mx.random.seed(8)
-    w = (mx.random.normal((1792, 640)) * 0.05).astype(mx.bfloat16)
+    w = (mx.random.normal((1792, 640)) * 0.05).astype(dtype)
     wf = w.astype(mx.float32)
     for m in (1, 16, 64):
         x = mx.random.normal((m, 640))
-        assert_close(mk.bf16_matmul(x, w), x @ wf.T, mx.abs(x) @ mx.abs(wf).T, 640)
+        assert_close(getattr(mk, op)(x, w), x @ wf.T, mx.abs(x) @ mx.abs(wf).T, 640)
 
 
 def test_leading_dims_and_empty_rows():
@@ -216,6 +223,8 @@ def test_bad_arguments_raise():
         mk.bf16_matmul(x, mx.zeros((8, 128)))
     with pytest.raises(ValueError, match="does not match"):
         mk.bf16_matmul(x, mx.zeros((8, 64), dtype=mx.bfloat16))
+    with pytest.raises(ValueError, match="float32"):
+        mk.f32_matmul(x, mx.zeros((8, 128), dtype=mx.bfloat16))
     with pytest.raises(ValueError, match="unknown path"):
         mk.set_isa("neon")
     with pytest.raises(ValueError):

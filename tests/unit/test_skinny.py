@@ -1,5 +1,6 @@
 """The skinny-matmul path: the same products as MLX's x @ W.T, switched in only where it is
-meant to be (exact nn.Linear / nn.Embedding, 2-128 rows)."""
+meant to be (exact nn.Linear / nn.Embedding, 2-128 rows; 1-32 rows through the compiled
+float32 kernel where it is built)."""
 
 from __future__ import annotations
 
@@ -28,6 +29,37 @@ def test_linear_gives_the_same_product(shape, bias):
     rows = x.size // 64
     if not 2 <= rows <= skinny.MAX_ROWS:  # outside the range: MLX's own path, bit for bit
         assert mx.array_equal(got, want).item()
+
+
+@pytest.mark.parametrize("shape", [(1, 64), (1, 1, 64), (7, 64), (4, 2, 64), (3, 3, 64),
+                                   (33, 64)])
+def test_kernel_layers_give_the_same_product(shape, monkeypatch):
+    kernels = pytest.importorskip("mas_kernels")
+    mx.random.seed(2)
+    model = nn.Sequential(nn.Linear(64, 96), nn.Embedding(300, 64))
+    x = mx.random.normal(shape)
+    want = model.layers[0](x), model.layers[1].as_linear(x)
+    assert skinny.apply(model, kernels) == 2
+    assert [type(m) for m in model.layers] == [skinny.KernelLinear, skinny.KernelEmbedding]
+    calls = []
+
+    class Spy:  # the kernels, counting the products they take
+        def f32_matmul(self, *args):
+            calls.append(args[0].shape)
+            return kernels.f32_matmul(*args)
+
+    monkeypatch.setattr(skinny, "_kernels", Spy())
+    got = model.layers[0](x), model.layers[1].as_linear(x)
+    for g, w in zip(got, want):
+        assert g.shape == w.shape
+        assert mx.allclose(g, w, atol=1e-5).item()
+    rows = x.size // 64
+    assert len(calls) == (2 if rows <= skinny.KERNEL_ROWS else 0)
+
+
+def test_large_weights_take_the_kernel_for_more_rows():
+    assert skinny.kernel_rows(mx.zeros((1536, 512))) == skinny.KERNEL_ROWS
+    assert skinny.kernel_rows(mx.zeros((151936, 8))) == skinny.KERNEL_ROWS_LARGE
 
 
 def test_tied_embedding_head_gives_the_same_logits():

@@ -36,6 +36,7 @@ class Installed:
     skinny_matmul: bool  # as configured
     fast_math: bool  # as configured: whether the runner's steps take the NumPy path
     skinny_layers: int  # linear and embedding layers switched to the skinny path
+    skinny_kernels: bool  # whether their few-row products take the compiled kernels
     fast_math_globals: int  # mlx-lm module globals pointed at fastmath's dispatchers
     head_modules: int  # LM head modules that can cut to the last position
 
@@ -51,12 +52,14 @@ def install(model: nn.Module, runtime: RuntimeConfig, vocab_size: int) -> Instal
     from actors.model_runner.cpu import blas, fastmath, head, skinny, weights
 
     plan = weights.install(model, runtime)
+    kernels = weights.float32_kernels(runtime) if runtime.skinny_matmul else None
     return Installed(
         library=blas.in_use(),
         weights=plan,
         skinny_matmul=runtime.skinny_matmul,
         fast_math=runtime.fast_math,
-        skinny_layers=skinny.apply(model) if runtime.skinny_matmul else 0,
+        skinny_layers=skinny.apply(model, kernels) if runtime.skinny_matmul else 0,
+        skinny_kernels=kernels is not None,
         fast_math_globals=fastmath.install(model) if runtime.fast_math else 0,
         head_modules=head.install(model, vocab_size),
     )

@@ -229,6 +229,12 @@ def _strategy(module: nn.Module, wanted: str, kernels: Any) -> str:
     return wanted
 
 
+def float32_kernels(runtime: Any) -> Any:
+    """The kernels for float32 layers' few-row products (skinny.py): the module install()
+    found under "auto", else None."""
+    return _kernels if runtime.weights == "auto" and mx.default_device() == mx.cpu else None
+
+
 def _budget(runtime: Any) -> int:
     if runtime.weight_memory_budget_mib:
         return runtime.weight_memory_budget_mib << 20
