@@ -154,20 +154,9 @@ struct Q8 : Affine<ST> {
   }
 };
 
-struct Bf16 {
-  static constexpr bool kTail = true;
-  const uint16_t* w;
-  int64_t K, ngroups, cpg = 1;  // a "group" is one chunk
-  const int* perm = kPerms.bf16;
-  bool has_tail;
+#include "dense.inc"
 
-  struct Row {
-    const uint16_t* w;
-  };
-  struct Grp {};
-  Row row(int64_t n) const { return {w + n * K}; }
-  void widen(const Row&, int64_t, int64_t, float*, float*) const {}
-  Grp group(float, float) const { return {}; }
+struct Bf16 : Dense<uint16_t> {
   void prefetch(const Row& r, int64_t c, int rows_ahead) const {
     _mm_prefetch(reinterpret_cast<const char*>(r.w + rows_ahead * K + c * CH), _MM_HINT_T0);
   }
@@ -187,20 +176,7 @@ struct Bf16 {
 };
 
 // float32 weights: the "decode" is a plain load, k order unchanged.
-struct F32 {
-  static constexpr bool kTail = true;
-  const float* w;
-  int64_t K, ngroups, cpg = 1;  // a "group" is one chunk
-  const int* perm = kPerms.id;
-  bool has_tail;
-
-  struct Row {
-    const float* w;
-  };
-  struct Grp {};
-  Row row(int64_t n) const { return {w + n * K}; }
-  void widen(const Row&, int64_t, int64_t, float*, float*) const {}
-  Grp group(float, float) const { return {}; }
+struct F32 : Dense<float> {
   void prefetch(const Row& r, int64_t c, int rows_ahead) const {
     _mm_prefetch(reinterpret_cast<const char*>(r.w + rows_ahead * K + c * CH), _MM_HINT_T0);
   }
