@@ -43,6 +43,7 @@ class Positions:
         self.n = 0
         self.lengths = np.zeros(0, np.int32)
         self.offset: mx.array | None = None  # [n] RoPE offsets: where each row's token goes
+        self.at: tuple[mx.array, mx.array] | None = None  # ([n, 1] rows, [n, 1] columns) written
         self.mask: mx.array | None = None  # [n, 1, 1, width] keys each row attends to
         self.width = 0  # columns the forward reads: the longest length + 1
 
@@ -56,6 +57,7 @@ class Positions:
         lengths = self.lengths[:self.n]
         self.width = int(lengths.max(initial=0)) + 1
         self.offset = mx.array(lengths)
+        self.at = (mx.arange(self.n)[:, None], self.offset[:, None])  # once, for every layer
         self.mask = mx.array(np.arange(self.width)[None] <= lengths[:, None])[:, None, None, :]
 
 
@@ -87,8 +89,8 @@ class BatchedKV:
         self.reserve(keys, values, p.n, p.width)
         # One scatter per array, in place (the old buffer is donated): rows past n are spare
         # capacity and are not written.
-        rows, heads = mx.arange(p.n)[:, None], mx.arange(keys.shape[1])[None]
-        cols = p.offset[:, None]
+        rows, cols = p.at
+        heads = mx.arange(keys.shape[1])[None]
         self.keys[rows, heads, cols, :] = keys[:, :, 0, :]
         self.values[rows, heads, cols, :] = values[:, :, 0, :]
         return self.keys[:p.n, :, :p.width, :], self.values[:p.n, :, :p.width, :]
