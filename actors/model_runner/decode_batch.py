@@ -45,6 +45,7 @@ class Positions:
         self.offset: mx.array | None = None  # [n] RoPE offsets: where each row's token goes
         self.at: tuple[mx.array, mx.array] | None = None  # ([n, 1] rows, [n, 1] columns) written
         self.mask: mx.array | None = None  # [n, 1, 1, width] keys each row attends to
+        self.keys_per_row: mx.array | None = None  # [n] int32: the same as counts (the kernel's)
         self.width = 0  # columns the forward reads: the longest length + 1
 
     def resize(self, n: int) -> None:
@@ -59,6 +60,7 @@ class Positions:
         self.offset = mx.array(lengths)
         self.at = (mx.arange(self.n)[:, None], self.offset[:, None])  # once, for every layer
         self.mask = mx.array(np.arange(self.width)[None] <= lengths[:, None])[:, None, None, :]
+        self.keys_per_row = mx.array(lengths + 1)
 
 
 class BatchedKV:

@@ -4,12 +4,14 @@
         [--batch 1 16] [--context 256]
 
 For each format and batch: the whole decode step of the patched model (the runner's CPU layer
-installed, a KV cache of `--context` tokens), then its parts timed alone with the same shapes
-and the same patched modules: every linear layer's product (summed over the layers), the LM
-head, the attention core (softmax(QK^T)V over the cache), sampling (greedy, the runner's
+installed, its decode batch of `batch` rows of `--context` tokens, in the runner's step
+context), then its parts timed alone with the same shapes and the same patched modules: every
+linear layer's product (summed over the layers), the LM head, the attention core
+(softmax(QK^T)V over the batch's KV: the decode attention kernel where it is built), sampling (greedy, the runner's
 sampler), and building the step's graph in Python. "rest" is the step minus the products
 and the attention core (norms, RoPE, residuals, KV writes); sampling follows the step, and the
-graph build overlaps the previous step in the runner's pipeline. Rooflines: the bytes each part
+graph build overlaps the previous step in the runner's pipeline (unless it waits for values:
+fast math's NumPy calls evaluate the graph up to them). Rooflines: the bytes each part
 reads at the machine's memory bandwidth (a NumPy sum, measured here), and the float32 GEMM
 rate of the BLAS at that batch (measured here on the model's largest weight shape).
 """
@@ -68,22 +70,26 @@ def _leaves(tree, prefix=""):
         yield prefix, tree
 
 
-def profile(model, batch: int, context: int, repeat: int, vocab: int) -> dict[str, Any]:
+def profile(model, installed, batch: int, context: int, repeat: int,
+            vocab: int) -> dict[str, Any]:
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
 
+    from actors.model_runner.decode_batch import BatchedKV, DecodeBatch
     from actors.model_runner.sampling import RowParams, Sampler
 
-    cache = make_prompt_cache(model)
-    mx.eval(model(mx.array([[5] * context] * batch), cache=cache))
-    token = mx.array([[7]] * batch)
+    # The runner's decode batch: `batch` rows of `context` tokens each. Its lengths are not
+    # advanced, so every timed step writes the same column and sees the same context.
+    decode = DecodeBatch()
+    for row in range(1, batch + 1):
+        prompt = make_prompt_cache(model)
+        mx.eval(model(mx.array([[5] * context]), cache=prompt))
+        decode.join(row, prompt)
+    token_buf = mx.full((batch + 1,), 7, dtype=mx.int32)
 
     def step():
-        out = model(token, cache=cache)
-        for c in cache:  # keep the context fixed: every timed step sees `context` tokens
-            if hasattr(c, "offset"):
-                c.offset -= 1
-        return out
+        with installed.steps():  # the runner's context: fast math, the attention kernel
+            return model(decode.inputs(token_buf), cache=decode.caches)
 
     parts: dict[str, float] = {"step": median_ms(step, repeat)}
     build = []
@@ -104,12 +110,21 @@ def profile(model, batch: int, context: int, repeat: int, vocab: int) -> dict[st
     head, head_module = head_of(model)
     x = mx.random.normal((batch, 1, model.args.hidden_size))
     parts["LM head"] = median_ms(lambda: head(x), repeat)
-    attn = [c for c in cache if hasattr(c, "keys") and c.keys is not None]
+    attn = [c for c in decode.caches if isinstance(c, BatchedKV)]
     if attn:
-        k, v = attn[0].keys[..., :context, :], attn[0].values[..., :context, :]
+        kv, positions = attn[0], decode.positions
         heads = model.args.num_attention_heads
-        q = mx.random.normal((batch, heads, 1, k.shape[-1]))
-        core = median_ms(lambda: mx.fast.scaled_dot_product_attention(q, k, v, scale=0.1), repeat)
+        q = mx.random.normal((batch, heads, 1, kv.keys.shape[-1]))
+        if installed.decode_attention:  # what the runner's steps run
+            import mas_kernels
+
+            core = median_ms(lambda: mas_kernels.decode_attention(
+                q, kv.keys, kv.values, positions.keys_per_row, 0.1), repeat)
+        else:
+            k = kv.keys[:batch, :, :positions.width]
+            v = kv.values[:batch, :, :positions.width]
+            core = median_ms(lambda: mx.fast.scaled_dot_product_attention(
+                q, k, v, scale=0.1, mask=positions.mask), repeat)
         parts["attention core"] = core * len(attn)
     sampler = Sampler(vocab, batch)
     for row in range(1, batch + 1):
@@ -121,7 +136,7 @@ def profile(model, batch: int, context: int, repeat: int, vocab: int) -> dict[st
     named = sum(v for k, v in parts.items()
                 if k not in ("step", "graph build (Python)", "sampling (greedy)"))
     parts["rest"] = parts["step"] - named
-    kv_bytes = sum(c.keys[..., :context, :].nbytes * 2 for c in attn)
+    kv_bytes = sum(batch * (context + 1) * c.keys[0, :, 0].nbytes * 2 for c in attn)
     return {"parts": parts,
             "bytes": {"linear layers": sum(weight_bytes(m) for _, m in layers),
                       "LM head": weight_bytes(head_module), "attention core": kv_bytes}}
@@ -147,16 +162,21 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--blas", default="auto")
     args = p.parse_args(argv)
     blas.load(args.blas)
-    from benchmarks.kernels.formats import load
+    from actors.model_runner import cpu
+    from actors.model_runner.loading import load_model
+    from models.builtin import ensure_builtin
+    from protocol.config import RuntimeConfig
 
     gbs = bandwidth_gbs()
     print(f"{args.model}, BLAS {blas.in_use()}, context {args.context}, memory bandwidth "
           f"{gbs:.1f} GB/s (NumPy sum), median of {args.repeat}")
     for fmt in args.formats:
-        model, plan = load(args.model if fmt == "f32" else f"{args.model}-{fmt}", "auto")
+        name = args.model if fmt == "f32" else f"{args.model}-{fmt}"
+        model = load_model(str(ensure_builtin(name, progress=True)))
         vocab = model.args.vocab_size
+        installed = cpu.install(model, RuntimeConfig(), vocab)
         for b in args.batch:
-            got = profile(model, b, args.context, args.repeat, vocab)
+            got = profile(model, installed, b, args.context, args.repeat, vocab)
             rate = gemm_gflops(model, b, args.repeat)
             print(f"\n{fmt} batch {b}: float32 GEMM {rate:.0f} GFLOP/s at this batch")
             print(f"  {'part':<22} {'ms':>8} {'bytes MiB':>10} {'at bandwidth ms':>16}")

@@ -92,4 +92,17 @@ void f32mm(const F32Args& a) {
   }
 }
 
+void attention(const AttnArgs& a) {
+  switch (g_isa.load()) {
+#if MAS_X86
+    case Isa::avx512:
+      return avx512::attention(a);
+    case Isa::avx2:
+      return avx2::attention(a);
+#endif
+    default:
+      return scalar::attention(a);
+  }
+}
+
 }  // namespace mas

@@ -42,20 +42,36 @@ struct F32Args {
   int64_t M, N, K;
 };
 
+// out[b, h] = softmax(scale * q[b, h] . k[b, h / group, t]) v[b, h / group, t] over t < lengths[b]:
+// one query token per row against the decode batch's K and V buffers [>= rows, kv_heads,
+// columns, dim] (row b at buffer row b), dim a multiple of 16, group = heads / kv_heads <= 64.
+struct AttnArgs {
+  const float* q;  // [rows, heads, dim]
+  const float* k;
+  const float* v;
+  const int32_t* lengths;  // [rows], each <= columns
+  float* out;  // [rows, heads, dim]
+  int64_t rows, heads, kv_heads, columns, dim;
+  float scale;
+};
+
 namespace scalar {
 void qmm(const QmmArgs& a);
 void bf16mm(const Bf16Args& a);
 void f32mm(const F32Args& a);
+void attention(const AttnArgs& a);
 }  // namespace scalar
 namespace avx2 {
 void qmm(const QmmArgs& a);
 void bf16mm(const Bf16Args& a);
 void f32mm(const F32Args& a);
+void attention(const AttnArgs& a);
 }  // namespace avx2
 namespace avx512 {
 void qmm(const QmmArgs& a);
 void bf16mm(const Bf16Args& a);
 void f32mm(const F32Args& a);
+void attention(const AttnArgs& a);
 }  // namespace avx512
 
 // dispatch.cpp: the path in use, chosen from the CPU at load time.
@@ -67,6 +83,7 @@ const char* isa_name(Isa isa);
 void qmm(const QmmArgs& a);
 void bf16mm(const Bf16Args& a);
 void f32mm(const F32Args& a);
+void attention(const AttnArgs& a);
 
 // threads.cpp: one job at a time over a small pool; the calling thread takes part.
 // Runs fn(ctx, t) for t in [0, ntasks), in any order, on up to num_threads() threads.
@@ -77,7 +94,8 @@ int default_num_threads();
 void set_spin_loops(int n);  // idle workers' polling before sleeping (benchmarks)
 
 // A 64-byte aligned buffer of at least `floats` floats owned by the calling thread; `slot`
-// picks one of a few independent buffers (0: prepared activations, 1: dequantized tiles).
+// picks one of a few independent buffers (0: prepared activations, 1: dequantized tiles, 2:
+// attention weights).
 // Valid until the same thread asks for the same slot again, or calls trim_thread_buffer(slot).
 float* thread_buffer(int slot, size_t floats);
 // Frees the slot's buffer if it holds more than `keep_floats` (prefill-sized activations are

@@ -197,5 +197,6 @@ struct F32 : Dense<float> {
 }  // namespace
 
 #include "entries.inc"
+#include "attention.inc"
 
 }  // namespace mas::avx2

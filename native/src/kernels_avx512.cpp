@@ -221,5 +221,6 @@ struct F32 : Dense<float> {
 }  // namespace
 
 #include "entries.inc"
+#include "attention.inc"
 
 }  // namespace mas::avx512

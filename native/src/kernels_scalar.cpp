@@ -130,4 +130,6 @@ void f32mm(const F32Args& a) {
   parallel_for((a.N + kRowsPerTask - 1) / kRowsPerTask, f32_task, &job);
 }
 
+#include "attention.inc"
+
 }  // namespace mas::scalar

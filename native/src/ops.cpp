@@ -2,6 +2,7 @@
 // command encoder (the work runs in order on MLX's CPU stream thread, never eagerly).
 #include "ops.h"
 
+#include <algorithm>
 #include <cstring>
 #include <sstream>
 #include <stdexcept>
@@ -237,6 +238,75 @@ void DenseMatmul::eval_gpu(const std::vector<mx::array>&, mx::array&) {
 
 std::vector<mx::Shape> DenseMatmul::output_shapes(const std::vector<mx::array>& inputs) {
   return {out_shape(inputs[0], inputs[1])};
+}
+
+mx::array decode_attention(const mx::array& q, const mx::array& k, const mx::array& v,
+                           const mx::array& lengths, float scale, mx::StreamOrDevice s) {
+  const std::string op = "decode_attention: ";
+  if (q.dtype() != mx::float32 || k.dtype() != mx::float32 || v.dtype() != mx::float32) {
+    throw std::invalid_argument(op + "q, k and v must be float32");
+  }
+  if (q.ndim() != 4 || q.shape(2) != 1) {
+    throw std::invalid_argument(op + "q must be [rows, heads, 1, dim], got " +
+                                shape_str(q.shape()));
+  }
+  if (k.ndim() != 4 || k.shape() != v.shape()) {
+    throw std::invalid_argument(op + "k and v must be one shape [rows, kv_heads, columns, dim], "
+                                "got " + shape_str(k.shape()) + " and " + shape_str(v.shape()));
+  }
+  const int rows = q.shape(0), heads = q.shape(1), dim = q.shape(3), kv_heads = k.shape(1);
+  if (k.shape(0) < rows || k.shape(3) != dim || kv_heads == 0 || heads % kv_heads != 0) {
+    throw std::invalid_argument(op + "q " + shape_str(q.shape()) + " does not match k " +
+                                shape_str(k.shape()));
+  }
+  if (dim % 16 != 0 || heads / kv_heads > 64) {
+    throw std::invalid_argument(op + "needs dim a multiple of 16 and at most 64 query heads per "
+                                "KV head, got dim " + std::to_string(dim) + ", " +
+                                std::to_string(heads / std::max(kv_heads, 1)) + " per KV head");
+  }
+  if (lengths.dtype() != mx::int32 || lengths.shape() != mx::Shape{rows}) {
+    throw std::invalid_argument(op + "lengths must be int32 [rows] = [" + std::to_string(rows) +
+                                "], got " + shape_str(lengths.shape()));
+  }
+  mx::Stream stream = cpu_stream(s, "decode_attention");
+  return mx::array(q.shape(), mx::float32, std::make_shared<DecodeAttention>(stream, scale),
+                   {q, k, v, lengths});
+}
+
+void DecodeAttention::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
+  auto& enc = mx::cpu::get_command_encoder(stream());
+  out.set_data(mx::allocator::malloc(out.nbytes()));
+  if (out.size() == 0) return;
+  mx::array q = row_contiguous(inputs[0], enc);
+  mx::array k = row_contiguous(inputs[1], enc);
+  mx::array v = row_contiguous(inputs[2], enc);
+  mx::array lengths = row_contiguous(inputs[3], enc);
+  for (const auto& a : {q, k, v, lengths}) enc.set_input_array(a);
+  enc.set_output_array(out);
+  AttnArgs args{q.data<float>(), k.data<float>(), v.data<float>(), lengths.data<int32_t>(),
+                out.data<float>(), q.shape(0), q.shape(1), k.shape(1), k.shape(2), q.shape(3),
+                scale_};
+  enc.dispatch([args]() {
+    for (int64_t b = 0; b < args.rows; ++b) {  // a length past the buffer would read past it
+      if (args.lengths[b] > args.columns) {
+        throw std::out_of_range("decode_attention: a row's length is past the K/V columns");
+      }
+    }
+    mas::attention(args);
+  });
+}
+
+void DecodeAttention::eval_gpu(const std::vector<mx::array>&, mx::array&) {
+  throw std::runtime_error(
+      "mas_kernels.decode_attention has no GPU kernel: use mx.fast.scaled_dot_product_attention");
+}
+
+bool DecodeAttention::is_equivalent(const mx::Primitive& other) const {
+  return scale_ == static_cast<const DecodeAttention&>(other).scale_;
+}
+
+std::vector<mx::Shape> DecodeAttention::output_shapes(const std::vector<mx::array>& inputs) {
+  return {inputs[0].shape()};
 }
 
 }  // namespace mas

@@ -20,6 +20,25 @@ mx::array bf16_matmul(const mx::array& x, const mx::array& w, mx::StreamOrDevice
 // x [..., K] float32 @ w.T with w float32 [N, K] -> [..., N] float32 (for few rows of x).
 mx::array f32_matmul(const mx::array& x, const mx::array& w, mx::StreamOrDevice s = {});
 
+// Decode attention over the runner's decode batch: q [rows, heads, 1, dim] float32 (one token
+// per row), k and v the batch's whole buffers [>= rows, kv_heads, columns, dim] float32, lengths
+// [rows] int32 (keys row b attends to: columns 0 .. lengths[b]-1) -> [rows, heads, 1, dim].
+mx::array decode_attention(const mx::array& q, const mx::array& k, const mx::array& v,
+                           const mx::array& lengths, float scale, mx::StreamOrDevice s = {});
+
+class DecodeAttention : public mx::UnaryPrimitive {
+ public:
+  DecodeAttention(mx::Stream stream, float scale) : mx::UnaryPrimitive(stream), scale_(scale) {}
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+  const char* name() const override { return "MasDecodeAttention"; }
+  bool is_equivalent(const mx::Primitive& other) const override;
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override;
+
+ private:
+  float scale_;
+};
+
 class AffineQmm : public mx::UnaryPrimitive {
  public:
   AffineQmm(mx::Stream stream, int group_size, int bits)

@@ -5,6 +5,8 @@
 - weights.py: weights stored as 4-bit, 8-bit, bf16, ... multiplied by our compiled kernels or
   a fallback (`runtime.weights`); first, so the float32 patches below see resident upcasts;
 - skinny.py: decode-shaped matmuls as (W @ x.T).T (`runtime.skinny_matmul`, CPU only);
+- attention.py: the decode batch's attention through the compiled kernel (with
+  `runtime.weights = "auto"` where the kernels are built, CPU only);
 - fastmath.py: the attention softmax and the SiLU in NumPy (`runtime.fast_math`, CPU only);
 - head.py: the LM head on the last position only while a prompt's last chunk runs. It skips
   work on any device, so it is installed everywhere.
@@ -15,7 +17,7 @@ blas.load(), so install() imports the patch modules when it runs.
 
 from __future__ import annotations
 
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, ExitStack
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -38,21 +40,31 @@ class Installed:
     skinny_layers: int  # linear and embedding layers switched to the skinny path
     skinny_kernels: bool  # whether their few-row products take the compiled kernels
     fast_math_globals: int  # mlx-lm module globals pointed at fastmath's dispatchers
+    decode_attention: bool  # whether the decode batch's attention takes the compiled kernel
     head_modules: int  # LM head modules that can cut to the last position
 
     def steps(self) -> AbstractContextManager[None]:
-        """The context the runner builds its steps in: fast math on where configured."""
-        from actors.model_runner.cpu import fastmath
+        """The context the runner builds its steps in: fast math on where configured, the
+        decode attention kernel where built."""
+        from actors.model_runner.cpu import attention, fastmath, weights
 
-        return fastmath.active(self.fast_math)
+        stack = ExitStack()
+        stack.enter_context(fastmath.active(self.fast_math))
+        stack.enter_context(attention.active(weights.loaded_kernels()
+                                             if self.decode_attention else None))
+        return stack
 
 
 def install(model: nn.Module, runtime: RuntimeConfig, vocab_size: int) -> Installed:
     """Apply every patch the `[runtime]` config asks for to `model` (in place)."""
-    from actors.model_runner.cpu import blas, fastmath, head, skinny, weights
+    from actors.model_runner.cpu import attention, blas, fastmath, head, skinny, weights
 
     plan = weights.install(model, runtime)
-    kernels = weights.float32_kernels(runtime) if runtime.skinny_matmul else None
+    compiled = weights.compiled_kernels(runtime)
+    kernels = compiled if runtime.skinny_matmul else None
+    fast_math_globals = fastmath.install(model) if runtime.fast_math else 0
+    if compiled is not None:
+        attention.install(model)  # after fastmath: it falls back to fastmath's dispatcher
     return Installed(
         library=blas.in_use(),
         weights=plan,
@@ -60,6 +72,7 @@ def install(model: nn.Module, runtime: RuntimeConfig, vocab_size: int) -> Instal
         fast_math=runtime.fast_math,
         skinny_layers=skinny.apply(model, kernels) if runtime.skinny_matmul else 0,
         skinny_kernels=kernels is not None,
-        fast_math_globals=fastmath.install(model) if runtime.fast_math else 0,
+        fast_math_globals=fast_math_globals,
+        decode_attention=compiled is not None,
         head_modules=head.install(model, vocab_size),
     )

@@ -229,9 +229,14 @@ def _strategy(module: nn.Module, wanted: str, kernels: Any) -> str:
     return wanted
 
 
-def float32_kernels(runtime: Any) -> Any:
-    """The kernels for float32 layers' few-row products (skinny.py): the module install()
-    found under "auto", else None."""
+def loaded_kernels() -> Any:
+    """The compiled kernels module if an install() loaded it, else None."""
+    return _kernels
+
+
+def compiled_kernels(runtime: Any) -> Any:
+    """The compiled kernels for the other float32 paths (skinny.py's few-row products,
+    attention.py's decode attention): the module install() found under "auto", else None."""
     return _kernels if runtime.weights == "auto" and mx.default_device() == mx.cpu else None
 
 

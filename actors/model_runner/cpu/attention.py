@@ -1,0 +1,76 @@
+"""The decode batch's attention through a compiled kernel (mas_kernels.decode_attention).
+
+MLX's CPU attention for the decode batch reads every row up to the batch's longest length
+(the rest masked off), first copies the strided K and V views it is given into contiguous
+buffers, and with fast math on it leaves the graph for a NumPy softmax in every layer. After a
+2,000-token prompt joined 9 rows of ~200 tokens, their decode step went from ~40 to 80-130 ms
+(qwen3-small; 54-63 ms with the kernel). The kernel reads each row's own length straight from
+the batch's buffers ([positions, kv_heads, columns, dim], decode_batch.BatchedKV): 2.6-2.8x
+MLX's attention at 1 row, 4.0x at 16 rows of 256 or 2,000 tokens, 14.7 GB/s
+(`python -m benchmarks.kernels.attention`), and no host sync.
+
+mlx-lm's model modules call `scaled_dot_product_attention` through their module globals.
+install() points them at `attention`, which takes the kernel for a float32 BatchedKV layer on
+a thread inside active() (the runner's steps); everything else goes on to fastmath.attention,
+which is mlx-lm's own unless fast math is active too.
+"""
+
+from __future__ import annotations
+
+import sys
+from contextlib import contextmanager
+from typing import Any, Iterator
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models import base
+
+from actors.model_runner.cpu import fastmath
+from actors.model_runner.decode_batch import BatchedKV
+from actors.model_runner.thread_flag import ThreadFlag
+
+MAX_GROUP = 64  # query heads per KV head the kernel takes
+
+_kernel: ThreadFlag[Any] = ThreadFlag(None)  # the mas_kernels module, inside active()
+
+
+@contextmanager
+def active(kernels: Any) -> Iterator[None]:
+    """Send the decode batch's attention on this thread to `kernels` (None: MLX's path)."""
+    with _kernel.holding(kernels):
+        yield
+
+
+def _fits(queries: mx.array, cache: BatchedKV) -> bool:
+    b, heads, length, dim = queries.shape
+    keys = cache.keys
+    return (length == 1 and keys is not None and queries.dtype == mx.float32
+            and keys.dtype == mx.float32 and dim % 16 == 0 and keys.shape[-1] == dim
+            and heads % keys.shape[1] == 0 and heads // keys.shape[1] <= MAX_GROUP)
+
+
+def attention(queries: mx.array, keys: mx.array, values: mx.array, cache, scale: float,
+              mask, sinks=None) -> mx.array:
+    """mlx-lm's scaled_dot_product_attention; the kernel for the decode batch's layers."""
+    kernels = _kernel.get()
+    if (kernels is not None and sinks is None and isinstance(cache, BatchedKV)
+            and _fits(queries, cache)):
+        return kernels.decode_attention(queries, cache.keys, cache.values,
+                                        cache.positions.keys_per_row, scale)
+    return fastmath.attention(queries, keys, values, cache=cache, scale=scale, mask=mask,
+                              sinks=sinks)
+
+
+def install(model: nn.Module) -> int:
+    """Point the model's modules' attention at `attention` (CPU only). Returns how many module
+    globals were changed; a second call changes nothing."""
+    if mx.default_device() != mx.cpu:
+        return 0
+    changed = 0
+    names = {type(layer).__module__ for _, layer in model.named_modules()}
+    for module in filter(None, (sys.modules.get(name) for name in names)):
+        if getattr(module, "scaled_dot_product_attention", None) in (
+                base.scaled_dot_product_attention, fastmath.attention):
+            module.scaled_dot_product_attention = attention
+            changed += 1
+    return changed

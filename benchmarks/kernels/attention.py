@@ -1,0 +1,55 @@
+"""The decode batch's attention: the compiled kernel against MLX's CPU attention.
+
+    python -m benchmarks.kernels.attention [--rows 1 16] [--context 256 2000]
+
+One layer of qwen3-small's shape (16 query heads, 4 KV heads, dim 64) over a decode batch
+buffer of 2,048 columns: mas_kernels.decode_attention reads each row's own length from it;
+MLX's mx.fast.scaled_dot_product_attention gets the rows' views up to the context with the
+batch's mask, as the decode forward gave it before the kernel. Median ms of 15, and the rate
+at which each reads the KV it needs.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from actors.model_runner.cpu import blas
+from benchmarks.kernels.skinny import median_ms
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.kernels.attention")
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 16])
+    p.add_argument("--context", type=int, nargs="+", default=[256, 2000])
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--kv-heads", type=int, default=4)
+    p.add_argument("--dim", type=int, default=64)
+    p.add_argument("--blas", default="auto")
+    args = p.parse_args(argv)
+    blas.load(args.blas)
+    import mas_kernels as mk
+    import mlx.core as mx
+
+    print(f"decode attention, {args.heads} heads / {args.kv_heads} KV heads, dim {args.dim}, "
+          f"kernel path {mk.isa()}")
+    print(f"{'rows':>5} {'context':>8} {'KV MB':>8} {'kernel ms':>10} {'GB/s':>6} "
+          f"{'MLX ms':>8} {'GB/s':>6} {'speedup':>8}")
+    for rows in args.rows:
+        for context in args.context:
+            columns = max(2048, context + 1)
+            q = mx.random.normal((rows, args.heads, 1, args.dim))
+            k = mx.random.normal((rows, args.kv_heads, columns, args.dim))
+            v = mx.random.normal(k.shape)
+            lengths = mx.array([context + 1] * rows, dtype=mx.int32)
+            mask = mx.ones((rows, 1, 1, context + 1), dtype=mx.bool_)
+            mx.eval(q, k, v, lengths, mask)
+            ours = median_ms(lambda: mk.decode_attention(q, k, v, lengths, 0.125), 15)
+            theirs = median_ms(lambda: mx.fast.scaled_dot_product_attention(
+                q, k[:, :, :context + 1], v[:, :, :context + 1], scale=0.125, mask=mask), 15)
+            mb = rows * args.kv_heads * (context + 1) * args.dim * 4 * 2 / 1e6
+            print(f"{rows:5d} {context:8d} {mb:8.1f} {ours:10.3f} {mb / ours:6.1f} "
+                  f"{theirs:8.3f} {mb / theirs:6.1f} {theirs / ours:7.1f}x")
+
+
+if __name__ == "__main__":
+    main()
