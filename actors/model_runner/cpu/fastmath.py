@@ -37,6 +37,12 @@ from actors.model_runner.pipeline import before_host_sync
 from actors.model_runner.thread_flag import ThreadFlag
 
 MIN_ELEMENTS = 1 << 14  # below this, MLX's scalar loop costs less than leaving the graph
+# The SiLU leaves the graph only for prefill-sized inputs: a decode batch's ([16, 3072] on
+# qwen3-small) costs ~0.5 ms per layer in MLX, but leaving the graph in every layer stops
+# the step's launch there, so the overlap pipeline cannot build the next step while this one
+# runs (python -m benchmarks.kernels.profile, batch 16, float32: graph build 26 -> 1.8 ms,
+# step 85 -> 72 ms with the SiLU of decode batches left to MLX).
+SWIGLU_MIN_ELEMENTS = 1 << 18
 
 _stock_attention = base.scaled_dot_product_attention
 _stock_swiglu = activations.swiglu
@@ -113,7 +119,7 @@ def attention(queries: mx.array, keys: mx.array, values: mx.array, cache, scale:
 
 def swiglu(gate: mx.array, x: mx.array) -> mx.array:
     """silu(gate) * x, with the sigmoid's exp in NumPy when it pays."""
-    if gate.size < MIN_ELEMENTS or not _wanted(gate, x):
+    if gate.size < SWIGLU_MIN_ELEMENTS or not _wanted(gate, x):
         return _stock_swiglu(gate, x)
     before_host_sync()
     with np.errstate(over="ignore"):  # exp(-gate) = inf for gate < -88: silu is -0.0 there
