@@ -147,3 +147,22 @@ def test_runner_installs_it_with_the_compiled_kernels(model_cache):
     assert ModelRunner(load_model(path), 4).cpu.decode_attention
     fallback = ModelRunner(load_model(path), 4, runtime=RuntimeConfig(weights="jit"))
     assert not fallback.cpu.decode_attention
+
+
+def test_runner_sets_the_buffer_cache_limit(model_cache):
+    from actors.model_runner.loading import load_model
+    from actors.model_runner.runner import ModelRunner
+    from models.builtin import ensure_builtin
+    from protocol.config import RuntimeConfig
+
+    path = str(ensure_builtin("qwen3-tiny", cache_dir=model_cache, progress=False))
+    before = mx.set_cache_limit(0)
+    try:
+        runner = ModelRunner(load_model(path), 4, runtime=RuntimeConfig(buffer_cache_mib=300))
+        assert runner.cpu.buffer_cache_mib == 300
+        assert mx.set_cache_limit(0) == 300 << 20
+        mx.set_cache_limit(before)
+        kept = ModelRunner(load_model(path), 4, runtime=RuntimeConfig(buffer_cache_mib=0))
+        assert kept.cpu.buffer_cache_mib == 0 and mx.set_cache_limit(0) == before
+    finally:
+        mx.set_cache_limit(before)

@@ -8,6 +8,8 @@
 - attention.py: the decode batch's attention through the compiled kernel (with
   `runtime.weights = "auto"` where the kernels are built, CPU only);
 - fastmath.py: the attention softmax and the SiLU in NumPy (`runtime.fast_math`, CPU only);
+- MLX's buffer cache limit (`runtime.buffer_cache_mib`, CPU only): big freed buffers are
+  kept for reuse rather than returned to the OS and faulted in again;
 - head.py: the LM head on the last position only while a prompt's last chunk runs. It skips
   work on any device, so it is installed everywhere.
 
@@ -41,6 +43,7 @@ class Installed:
     skinny_kernels: bool  # whether their few-row products take the compiled kernels
     fast_math_globals: int  # mlx-lm module globals pointed at fastmath's dispatchers
     decode_attention: bool  # whether the decode batch's attention takes the compiled kernel
+    buffer_cache_mib: int  # MLX's buffer cache limit set (0: MLX's default kept)
     head_modules: int  # LM head modules that can cut to the last position
 
     def steps(self) -> AbstractContextManager[None]:
@@ -59,7 +62,12 @@ def install(model: nn.Module, runtime: RuntimeConfig, vocab_size: int) -> Instal
     """Apply every patch the `[runtime]` config asks for to `model` (in place)."""
     from actors.model_runner.cpu import attention, blas, fastmath, head, skinny, weights
 
+    import mlx.core as mx
+
     plan = weights.install(model, runtime)
+    cache_mib = runtime.buffer_cache_mib if mx.default_device() == mx.cpu else 0
+    if cache_mib:
+        mx.set_cache_limit(cache_mib << 20)
     compiled = weights.compiled_kernels(runtime)
     kernels = compiled if runtime.skinny_matmul else None
     fast_math_globals = fastmath.install(model) if runtime.fast_math else 0
@@ -74,5 +82,6 @@ def install(model: nn.Module, runtime: RuntimeConfig, vocab_size: int) -> Instal
         skinny_kernels=kernels is not None,
         fast_math_globals=fast_math_globals,
         decode_attention=compiled is not None,
+        buffer_cache_mib=cache_mib,
         head_modules=head.install(model, vocab_size),
     )
