@@ -8,7 +8,8 @@ The real scheduler core and runner core run together on one thread, as the actor
 arrives, is prefilled in chunks beside them, decodes 8 tokens and leaves. Every step's
 forward time (the runner's launch to read-back) is recorded; the report gives the median
 decode step before the long prompt arrived, the median decode step while it decoded, and the
-step in which it left (its row released).
+step in which it left (its row released), the step that ran its last chunk (and joined it
+to the decode batch) and the longest other chunk step.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ def run(model_path: str, streams: int, long: int, chunk: int) -> dict:
     for i in range(streams):
         sched.add(f"s{i}", rng.integers(1000, 50000, 128).tolist(), params)
     steps: list[tuple[str, float]] = []  # (phase, forward seconds)
-    phase, long_row = "before", None
+    phase, long_row, join_ms = "before", None, None
     for tick in range(2000):
         if tick == 40:
             sched.add("long", rng.integers(1000, 50000, long).tolist(),
@@ -54,12 +55,18 @@ def run(model_path: str, streams: int, long: int, chunk: int) -> dict:
         if long_row is not None and long_row in batch.release_rows:
             phase = "departure"
         result = runner.step(batch)
+        joins = long_row is not None and any(
+            r == long_row and n > 1 and sample
+            for r, n, sample in zip(batch.rows, batch.input_lens, batch.sample))
+        if joins:  # the long prompt's last chunk: it joins the decode batch in this step
+            join_ms = result.forward_s * 1e3
         decoding = all(n == 1 for n in batch.input_lens)
         if phase == "prefill" and decoding:
             phase = "with long"
         if long_row is None and "long" in sched.requests:
             long_row = sched.requests["long"].row or None  # 0: not admitted yet
-        steps.append((phase if decoding or phase == "departure" else "chunk", result.forward_s))
+        kind = "join" if joins else phase if decoding or phase == "departure" else "chunk"
+        steps.append((kind, result.forward_s))
         sched.on_result(result)
         if phase == "departure":
             phase = "after"
@@ -74,6 +81,7 @@ def run(model_path: str, streams: int, long: int, chunk: int) -> dict:
     report = {"model": model_path, "streams": streams, "long": long,
               "decode_before_ms": median("before"), "decode_with_long_ms": median("with long"),
               "decode_after_ms": median("after"), "departure_ms": leave[0] if leave else None,
+              "last_chunk_ms": join_ms,
               "chunk_max_ms": max((s * 1e3 for p, s in steps if p == "chunk"), default=None)}
     report["departure_over_decode_with_long"] = (report["departure_ms"]
                                                  / report["decode_with_long_ms"])

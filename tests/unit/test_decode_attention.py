@@ -18,16 +18,7 @@ from mlx_lm.models import base  # noqa: E402
 
 from actors.model_runner.cpu import attention  # noqa: E402
 from actors.model_runner.decode_batch import BatchedKV, Positions  # noqa: E402
-
-ISAS = [name for name in ("avx512", "avx2", "scalar") if mk.has_isa(name)]
-
-
-@pytest.fixture(params=ISAS)
-def isa(request):
-    before = mk.isa()
-    mk.set_isa(request.param)
-    yield request.param
-    mk.set_isa(before)
+from tests.unit.test_kernels import isa  # noqa: E402,F401  (every path this CPU has)
 
 
 def reference(q, k, v, lengths, scale):
