@@ -19,6 +19,7 @@ class ModelInfo(msgspec.Struct, frozen=True):
     vocab_size: int
     model_type: str
     kv_bytes_per_token: int = 0  # KV memory one token takes across the attention layers
+    kv_value_bytes: int = 2  # of one K or V value, in the checkpoint's dtype
     state_layers: int = 0  # linear-attention layers (hybrid models) keeping a recurrent state
 
 
@@ -57,6 +58,7 @@ def read_model_info(path: str, name: str = "", context_length: int = 0) -> Model
                      eos_ids=sorted(set(eos)), vocab_size=int(vocab),
                      model_type=config.get("model_type", ""),
                      kv_bytes_per_token=_kv_bytes_per_token(get),
+                     kv_value_bytes=_value_bytes(get),
                      state_layers=_state_layers(get))
 
 
@@ -78,5 +80,8 @@ def _kv_bytes_per_token(get) -> int:
     heads = int(get("num_key_value_heads") or get("num_attention_heads", 0))
     head_dim = get("head_dim") or int(get("hidden_size", 0)) // max(1, int(get(
         "num_attention_heads", 1)))
-    width = _DTYPE_BYTES.get(str(get("torch_dtype") or get("dtype") or "float16"), 2)
-    return 2 * layers * heads * int(head_dim) * width
+    return 2 * layers * heads * int(head_dim) * _value_bytes(get)
+
+
+def _value_bytes(get) -> int:
+    return _DTYPE_BYTES.get(str(get("torch_dtype") or get("dtype") or "float16"), 2)

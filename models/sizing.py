@@ -13,9 +13,17 @@ def kv_capacity(cfg: Config, model: ModelInfo) -> int:
     if cfg.memory.kv_tokens:
         return cfg.memory.kv_tokens
     physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    per_token = max(1, model.kv_bytes_per_token)
+    per_token = max(1, kv_bytes_per_token(cfg, model))
     ceiling = cfg.scheduler.max_running_requests * model.context_length
     return max(1, min(int(physical * cfg.memory.kv_fraction) // per_token, ceiling))
+
+
+def kv_bytes_per_token(cfg: Config, model: ModelInfo) -> int:
+    """One token's KV bytes as the runner keeps them: float32 under runtime.activations =
+    "float32", else the checkpoint's dtype."""
+    if cfg.runtime.activations == "float32":
+        return model.kv_bytes_per_token // max(1, model.kv_value_bytes) * 4
+    return model.kv_bytes_per_token
 
 
 def state_capacity(cfg: Config, model: ModelInfo) -> int:

@@ -152,6 +152,13 @@ class RuntimeConfig(Section):
     # float32 just in time for more rows (forces the fallback); resident: upcast to float32 once
     # at load, within weight_memory_budget_mib; mlx: MLX's own kernels only.
     weights: Literal["auto", "jit", "resident", "mlx"] = "auto"
+    # The dtype of the activations (and so of the KV cache) of a bf16/fp16 checkpoint. model:
+    # the checkpoint's, greedy tokens those of mlx_lm.generate on it. float32: weights stay as
+    # stored, everything else runs in float32, as mlx-lm on the checkpoint upcast to float32
+    # (model.set_dtype(mx.float32)) does; on x86 CPUs MLX's bf16/fp16 norms, RoPE, attention
+    # and SiLU are scalar code, and the decode attention kernel and fast math are float32 only.
+    # KV memory is then 4 bytes a value (memory.kv_fraction sizes it so).
+    activations: Literal["model", "float32"] = "model"
     # Float32 copies "resident" may keep, in MiB; 0: half the physical memory.
     weight_memory_budget_mib: Annotated[int, Meta(ge=0)] = 0
     # CPU only: freed MLX buffers the runner keeps for reuse, in MiB (MLX's own limit is 32

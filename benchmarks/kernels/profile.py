@@ -160,6 +160,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--context", type=int, default=256)
     p.add_argument("--repeat", type=int, default=15)
     p.add_argument("--blas", default="auto")
+    p.add_argument("--activations", default="model", choices=["model", "float32"],
+                   help="runtime.activations (bf16/fp16 checkpoints)")
     args = p.parse_args(argv)
     blas.load(args.blas)
     from actors.model_runner import cpu
@@ -174,7 +176,7 @@ def main(argv: list[str] | None = None) -> None:
         name = args.model if fmt == "f32" else f"{args.model}-{fmt}"
         model = load_model(str(ensure_builtin(name, progress=True)))
         vocab = model.args.vocab_size
-        installed = cpu.install(model, RuntimeConfig(), vocab)
+        installed = cpu.install(model, RuntimeConfig(activations=args.activations), vocab)
         for b in args.batch:
             got = profile(model, installed, b, args.context, args.repeat, vocab)
             rate = gemm_gflops(model, b, args.repeat)

@@ -9,8 +9,12 @@ NEAR_TIE = 1e-4
 
 
 class Oracle:
-    def __init__(self, path: str):
+    def __init__(self, path: str, upcast: bool = False):
+        """upcast: the checkpoint's floating parameters in float32 (scales of quantized ones
+        too), the oracle of runtime.activations = "float32"."""
         self.model, self.tokenizer = load(path)
+        if upcast:
+            self.model.set_dtype(mx.float32)
 
     def greedy(self, prompt_ids: list[int], max_tokens: int) -> list[int]:
         """mlx_lm's greedy token ids, EOS included when it stops there."""

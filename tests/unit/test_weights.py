@@ -117,6 +117,48 @@ def test_bf16_strategies_give_mlx_logits(tiny):
         assert mx.mean(mx.argmax(got, -1) == mx.argmax(reference, -1)).item() >= 6 / 7
 
 
+@pytest.mark.parametrize("half", ["bf16", "bf16-4bit"])
+def test_float32_activations_give_the_upcast_models_logits(tiny, half):
+    """runtime.activations = "float32": the stored weights stay as they are, everything else
+    runs in float32, as mlx-lm on the checkpoint upcast to float32 does."""
+    def checkpoint():
+        model = bf16(tiny)
+        if half == "bf16-4bit":  # 4-bit with bf16 scales, as mlx-community's are
+            nn.quantize(model, group_size=64, bits=4)
+        return model
+
+    upcast = checkpoint()
+    upcast.set_dtype(mx.float32)
+    for strategy in STRATEGIES:
+        model = checkpoint()
+        weights.install(model, RuntimeConfig(weights=strategy, activations="float32"))
+        stored = [m for _, m in model.named_modules() if isinstance(m, weights._Stored)]
+        if strategy != "resident":  # resident layers are float32 layers now
+            assert stored and all(m.weight.dtype != mx.float32 for m in stored)
+        norms = [m.weight for name, m in model.named_modules() if name.endswith("norm")]
+        assert norms and all(w.dtype == mx.float32 for w in norms)
+        for prompt in (PROMPT, LONG, PROMPT[:, :1]):
+            got, want = model(prompt), upcast(prompt)
+            assert got.dtype == mx.float32, strategy
+            assert mx.allclose(got, want, atol=2e-4, rtol=1e-4).item(), (strategy, prompt.shape)
+            assert mx.array_equal(mx.argmax(got, -1), mx.argmax(want, -1)).item()
+
+
+def test_float32_activations_size_the_kv_at_four_bytes():
+    from models.info import ModelInfo
+    from models.sizing import kv_bytes_per_token
+    from protocol.config import Config
+
+    info = ModelInfo(path="m", name="m", context_length=64, eos_ids=[], vocab_size=10,
+                     model_type="qwen3", kv_bytes_per_token=1024, kv_value_bytes=2)
+    assert kv_bytes_per_token(Config(), info) == 1024
+    wide = Config(runtime=RuntimeConfig(activations="float32"))
+    assert kv_bytes_per_token(wide, info) == 2048
+    f32 = ModelInfo(path="m", name="m", context_length=64, eos_ids=[], vocab_size=10,
+                    model_type="qwen3", kv_bytes_per_token=2048, kv_value_bytes=4)
+    assert kv_bytes_per_token(wide, f32) == 2048
+
+
 def test_resident_layers_become_float32_layers(tiny):
     model = quantized(tiny)
     plan = weights.install(model, RuntimeConfig(weights="resident"))

@@ -140,6 +140,18 @@ class StoredQuantizedLinear(_Stored, nn.QuantizedLinear):
 
 
 class StoredQuantizedEmbedding(_Stored, nn.QuantizedEmbedding):
+    def __call__(self, x: mx.array) -> mx.array:
+        if self.model_dtype is None:
+            return super().__call__(x)
+        # The rows' scales in the model's dtype first: mx.dequantize computes in the scales'
+        # dtype, so bf16 scales would round the rows to bf16.
+        shape, x = x.shape, x.flatten()
+        biases = self.get("biases")
+        out = mx.dequantize(self.weight[x], self.scales[x].astype(self.model_dtype),
+                            None if biases is None else biases[x].astype(self.model_dtype),
+                            group_size=self.group_size, bits=self.bits, mode=self.mode)
+        return out.reshape(*shape, -1)
+
     def as_linear(self, x: mx.array) -> mx.array:
         return _quantized_product(self, x, self.strategy)
 
@@ -192,6 +204,7 @@ class WeightPlan:
     kinds: dict[str, KindPlan] = field(default_factory=dict)
     kernels: str = ""  # the kernels' instruction set in use, or "" when not used
     missing: str = ""  # why the kernels are not used, when "auto" wanted them
+    activations: str = "model"  # runtime.activations as applied
 
     def log_fields(self) -> dict[str, Any]:
         return {"strategies": {k: p.strategy for k, p in self.kinds.items()},
@@ -199,7 +212,8 @@ class WeightPlan:
                 "stored_mib": round(sum(p.stored_bytes for p in self.kinds.values()) / 2**20, 1),
                 "resident_mib": round(sum(p.resident_bytes for p in self.kinds.values()) / 2**20,
                                       1),
-                "kernels": self.kernels or "off", "missing": self.missing}
+                "kernels": self.kernels or "off", "missing": self.missing,
+                "activations": self.activations}
 
 
 def _matmul_modules(model: nn.Module) -> list[nn.Module]:
@@ -259,6 +273,20 @@ def _model_dtype(model: nn.Module) -> mx.Dtype:
     return max(counts, key=counts.get) if counts else mx.float32
 
 
+def _float32_activations(model: nn.Module) -> None:
+    """Every floating parameter outside the matmul layers (norms, gates, decay rates) to
+    float32: the activations, and so the KV cache, follow them. The matmul layers keep their
+    stored weights; their embedding lookups come back in float32 (class attribute above)."""
+    for _, module in model.named_modules():
+        if type(module) in _BASES or isinstance(module, _Stored):
+            continue
+        wide = {k: v.astype(mx.float32) for k, v in module.items()
+                if isinstance(v, mx.array) and mx.issubdtype(v.dtype, mx.floating)
+                and v.dtype != mx.float32}
+        if wide:
+            module.update(wide)
+
+
 def _make_resident(module: nn.Module, model_dtype: mx.Dtype) -> None:
     """Replace the stored weight by its float32 upcast: the layer becomes a float32 one, whose
     products come back in `model_dtype` when that is not float32."""
@@ -288,7 +316,8 @@ def install(model: nn.Module, runtime: Any) -> WeightPlan:
     modules = _matmul_modules(model)
     chosen = [(m, kind_of(m), _strategy(m, wanted, kernels)) for m in modules]
     resident = sum(_float32_bytes(m) for m, _, s in chosen if s == "resident")
-    model_dtype = _model_dtype(model) if resident else mx.float32
+    float32 = runtime.activations == "float32"
+    model_dtype = _model_dtype(model) if resident and not float32 else mx.float32
     if resident > _budget(runtime):
         raise ValueError(f"runtime.weights = \"resident\" needs {resident / 2**20:.0f} MiB of "
                          f"float32 weights; runtime.weight_memory_budget_mib allows "
@@ -297,12 +326,22 @@ def install(model: nn.Module, runtime: Any) -> WeightPlan:
         entry = plan.kinds.setdefault(kind, KindPlan(strategy))
         entry.layers += 1
         entry.stored_bytes += _stored_bytes(module)
+        if float32 and strategy != "kernel" and "scales" in module:
+            # MLX's quantized_matmul and dequantize compute in the scales' dtype: float32
+            # scales (exact for bf16/fp16 ones) keep them in float32, as the upcast checkpoint
+            # does. The kernels read bf16/fp16 scales as they are.
+            module.update({k: module[k].astype(mx.float32) for k in ("scales", "biases")
+                           if k in module and module[k] is not None})
         if strategy == "resident":
             _make_resident(module, model_dtype)
             entry.resident_bytes += module.weight.nbytes
         elif strategy != "float32":
             base = next(b for b in _BASES if isinstance(module, b))
-            module.__class__ = _class_for(base, strategy)
+            lookups = float32 and base in (nn.Embedding, nn.QuantizedEmbedding)
+            module.__class__ = _class_for(base, strategy, mx.float32 if lookups else None)
+    if float32:
+        _float32_activations(model)
+        plan.activations = "float32"
     if not any(p.strategy == "kernel" for p in plan.kinds.values()):
         plan.kernels = ""
     if not any(_kernel_covers(m) for m, kind, _ in chosen if kind != "float32"):
