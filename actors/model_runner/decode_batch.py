@@ -2,23 +2,28 @@
 position (DESIGN section 4's decode batch, in a layout the runner owns).
 
 Why not mlx-lm's BatchKVCache: it keeps rows left padded to a common end, so a row that leaves
-(filter, extract) or joins (extend) copies the KV of every other row, and a long request
-finishing made one step cost 0.6-0.9 s where a decode step costs ~70 ms. Here a row has a
-position for as long as it holds KV:
-- A full-attention layer's K and V live in `BatchedKV`: [positions, kv_heads, capacity, dim],
-  each row from column 0, its own length, new tokens written at each row's own column.
+(filter, extract) or joins (extend) copies the KV of every other row, and it holds rows x the
+longest context. Here a row has a position for as long as it holds KV:
+- A full-attention layer's K and V live in `BatchedKV`: a pool of pages [pages, kv_heads, PAGE,
+  dim] shared out by `Positions`, each position's tokens in pages of its own (its page table).
+  A joining row copies its prompt's KV into fresh pages; a leaving row's pages go back to the
+  free list; nothing else moves, and the pool holds the tokens the rows hold (rounded up to a
+  page per row), not rows x the longest row. The decode attention kernel reads the pages
+  through the table; MLX's attention gets them gathered into [positions, kv_heads, columns,
+  dim] (a copy per layer and step, lazily: never built where the kernel runs).
 - A recurrent layer's state lives in `BatchedStates`: one [positions, ...] array per part.
 - Any other cache (sliding windows) stays mlx-lm's merged batch cache; such a model keeps no
   holes (the positions compact at once), as before.
 A row that leaves becomes a hole: nothing is copied, the hole still runs in the forward (its
 input is the padding row's token, its output is dropped) and costs one more row of a skinny
-matmul. A joining row fills the lowest hole, so joins write only their own KV. The positions
-compact (one gather of the rows that remain) only when holes are more than half of them, and
-trailing holes are dropped at once.
+matmul. A joining row fills the lowest hole. The positions compact (one gather of the recurrent
+states; the page tables are reordered on the host) only when holes are more than half of them,
+and trailing holes are dropped at once.
 
 A row that stops decoding but is not released (finished while a step was in flight, or being
-retracted) is parked: it keeps its position and its KV, which a KV save may still read; the
-forward writes its scratch column (its length, past its data) and never advances it.
+retracted) is parked: it keeps its position and its pages, which a KV save may still read.
+Holes and parked rows write this step's K/V into the scratch page 0 and attend to that one key:
+their outputs are dropped, their pages never change.
 """
 
 from __future__ import annotations
@@ -31,45 +36,87 @@ from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
 
 from actors.model_runner.pipeline import before_host_sync
 
-COLUMNS = 256  # K/V capacity grows in steps of this many positions
+PAGE = 16  # tokens per page of the decode batch's K/V pool
+FIRST_PAGES = 64  # the pool's first size in pages; it doubles when a step needs more
 
 
 class Positions:
-    """What the layers of one decode forward share: how many positions run (`n`) and each
-    position's length (tokens of KV before this step), known on the host, so no layer reads
-    anything back. `prepare` turns them into the forward's arrays once per step."""
+    """What the layers of one decode forward share: how many positions run (`n`), each
+    position's length (tokens of KV before this step) and page table, and which positions
+    decode, known on the host, so no layer reads anything back. `prepare` turns them into the
+    forward's arrays once per step."""
 
     def __init__(self):
         self.n = 0
         self.lengths = np.zeros(0, np.int32)
+        self.live = np.zeros(0, bool)  # the position decodes in this step
+        self.pages: list[list[int]] = []  # position -> its pages, in token order
+        self.free: list[int] = []  # pages to hand out again, the last freed first (warm)
+        self.used = 1  # pages ever handed out; page 0 is the scratch page
         self.offset: mx.array | None = None  # [n] RoPE offsets: where each row's token goes
-        self.at: tuple[mx.array, mx.array] | None = None  # ([n, 1] rows, [n, 1] columns) written
+        self.at: tuple[mx.array, mx.array] | None = None  # ([n, 1] pages, [n, 1] slots) written
+        self.table: mx.array | None = None  # [n, max pages] int32: each position's pages
         self.mask: mx.array | None = None  # [n, 1, 1, width] keys each row attends to
         self.keys_per_row: mx.array | None = None  # [n] int32: the same as counts (the kernel's)
-        self.width = 0  # columns the forward reads: the longest length + 1
+        self.width = 0  # columns of the gathered K/V: max pages x PAGE
 
     def resize(self, n: int) -> None:
-        if n > len(self.lengths):
-            self.lengths = np.concatenate([self.lengths, np.zeros(n - len(self.lengths),
-                                                                  np.int32)])
+        grow = n - len(self.lengths)
+        if grow > 0:
+            self.lengths = np.concatenate([self.lengths, np.zeros(grow, np.int32)])
+            self.live = np.concatenate([self.live, np.zeros(grow, bool)])
+            self.pages += [[] for _ in range(grow)]
         self.n = n
 
+    # -- pages ----------------------------------------------------------------------------------
+
+    def take(self, at: int, tokens: int) -> list[int]:
+        """Pages for position `at` to hold `tokens` tokens; returns the new ones."""
+        need = -(-tokens // PAGE) - len(self.pages[at])
+        new = [self._page() for _ in range(max(0, need))]
+        self.pages[at] += new
+        return new
+
+    def give_back(self, at: int) -> None:
+        self.free += reversed(self.pages[at])
+        self.pages[at] = []
+
+    def _page(self) -> int:
+        if self.free:
+            return self.free.pop()
+        self.used += 1
+        return self.used - 1
+
+    # -- the forward ----------------------------------------------------------------------------
+
     def prepare(self) -> None:
-        lengths = self.lengths[:self.n]
-        self.width = int(lengths.max(initial=0)) + 1
+        n = self.n
+        lengths, live = self.lengths[:n], self.live[:n]
+        page = np.zeros(n, np.int32)
+        for at in np.flatnonzero(live):  # a token at a page boundary starts a new page
+            self.take(int(at), int(lengths[at]) + 1)
+            page[at] = self.pages[at][lengths[at] // PAGE]
+        slot = np.where(live, lengths % PAGE, 0).astype(np.int32)
+        counts = np.where(live, lengths + 1, 1).astype(np.int32)
+        most = max([len(self.pages[at]) for at in np.flatnonzero(live)], default=1)
+        table = np.zeros((n, most), np.int32)  # holes and parked rows: the scratch page
+        for at in np.flatnonzero(live):
+            table[at, :len(self.pages[at])] = self.pages[at]
+        self.width = most * PAGE
         self.offset = mx.array(lengths)
-        self.at = (mx.arange(self.n)[:, None], self.offset[:, None])  # once, for every layer
-        self.mask = mx.array(np.arange(self.width)[None] <= lengths[:, None])[:, None, None, :]
-        self.keys_per_row = mx.array(lengths + 1)
+        self.at = (mx.array(page)[:, None], mx.array(slot)[:, None])  # once, for every layer
+        self.table = mx.array(table)
+        self.mask = mx.array(np.arange(self.width)[None] < counts[:, None])[:, None, None, :]
+        self.keys_per_row = mx.array(counts)
 
 
 class BatchedKV:
-    """One full-attention layer's K and V for the decode batch; what the model's attention
-    calls (`offset`, `update_and_fetch`, `make_mask`) as it calls mlx-lm's caches."""
+    """One full-attention layer's K and V for the decode batch, in pages; what the model's
+    attention calls (`offset`, `update_and_fetch`, `make_mask`) as it calls mlx-lm's caches."""
 
     def __init__(self, positions: Positions):
         self.positions = positions
-        self.keys: mx.array | None = None  # [capacity rows, kv_heads, columns, dim]
+        self.keys: mx.array | None = None  # [pool pages, kv_heads, PAGE, dim]
         self.values: mx.array | None = None
 
     @property
@@ -86,51 +133,77 @@ class BatchedKV:
         return self.positions.mask
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        """keys/values [n, kv_heads, 1, dim]: each row's new token at its own column."""
+        """keys/values [n, kv_heads, 1, dim]: each row's new token into its page. Returns the
+        rows' pages gathered as [n, kv_heads, width, dim] for MLX's attention (lazy: the
+        kernel reads the pool through the page table and never evaluates them)."""
         p = self.positions
-        self.reserve(keys, values, p.n, p.width)
-        # One scatter per array, in place (the old buffer is donated): rows past n are spare
-        # capacity and are not written.
-        rows, cols = p.at
+        self.reserve(keys, values)
+        # One scatter per array, in place (the old buffer is donated).
+        pages, slots = p.at
         heads = mx.arange(keys.shape[1])[None]
-        self.keys[rows, heads, cols, :] = keys[:, :, 0, :]
-        self.values[rows, heads, cols, :] = values[:, :, 0, :]
-        return self.keys[:p.n, :, :p.width, :], self.values[:p.n, :, :p.width, :]
+        self.keys[pages, heads, slots, :] = keys[:, :, 0, :]
+        self.values[pages, heads, slots, :] = values[:, :, 0, :]
+        return self.gather(self.keys, p.table), self.gather(self.values, p.table)
 
-    def reserve(self, like_k: mx.array, like_v: mx.array, rows: int, columns: int) -> None:
-        """Room for `rows` positions of `columns` tokens: grows (copying what is held) by
-        doubling the rows and by COLUMNS-sized steps of columns."""
-        if self.keys is not None and self.keys.shape[0] >= rows and self.keys.shape[2] >= columns:
+    @staticmethod
+    def gather(pool: mx.array, table: mx.array) -> mx.array:
+        """The pages of each table row laid end to end: [rows, kv_heads, pages x PAGE, dim]."""
+        n, most = table.shape
+        got = pool[table]  # [n, most, kv_heads, PAGE, dim]
+        return got.transpose(0, 2, 1, 3, 4).reshape(n, pool.shape[1], most * PAGE,
+                                                     pool.shape[3])
+
+    def reserve(self, like_k: mx.array, like_v: mx.array) -> None:
+        """Room for every page handed out: the pool doubles (copying what it holds)."""
+        need = self.positions.used
+        have = 0 if self.keys is None else self.keys.shape[0]
+        if have >= need:
             return
-        have_rows, have_cols = (0, 0) if self.keys is None else (self.keys.shape[0],
-                                                                  self.keys.shape[2])
-        new_rows = max(have_rows, 1)
-        while new_rows < rows:
-            new_rows *= 2
-        new_cols = max(have_cols, -(-columns // COLUMNS) * COLUMNS)
+        size = max(have, FIRST_PAGES)
+        while size < need:
+            size *= 2
         grown = []
         for old, like in ((self.keys, like_k), (self.values, like_v)):
-            a = mx.zeros((new_rows, like.shape[1], new_cols, like.shape[3]), like.dtype)
+            a = mx.zeros((size, like.shape[1], PAGE, like.shape[-1]), like.dtype)
             if old is not None:
-                a[:have_rows, :, :have_cols, :] = old
+                a[:have] = old
             grown.append(a)
         self.keys, self.values = grown
 
-    def fill(self, at: int, cache: KVCache, length: int) -> None:
-        """A joining row's prompt KV into position `at`: a copy of that row only."""
+    def fill(self, pages: list[int], cache: KVCache, length: int) -> None:
+        """A joining row's prompt KV into its pages: a copy of that row only."""
         if cache.keys is None or length == 0:
             return
-        self.reserve(cache.keys, cache.values, at + 1, length + 1)
-        self.keys[at:at + 1, :, :length, :] = cache.keys[..., :length, :]
-        self.values[at:at + 1, :, :length, :] = cache.values[..., :length, :]
+        self.reserve(cache.keys, cache.values)
+        index = mx.array(pages)
+        for pool, own in ((self.keys, cache.keys), (self.values, cache.values)):
+            got = own[0, :, :length, :]
+            pad = len(pages) * PAGE - length
+            if pad:
+                got = mx.concatenate([got, mx.zeros((got.shape[0], pad, got.shape[2]),
+                                                    got.dtype)], axis=1)
+            pool[index] = got.reshape(got.shape[0], len(pages), PAGE,
+                                      got.shape[2]).transpose(1, 0, 2, 3)
 
-    def compact(self, keep: list[int], columns: int) -> None:
-        if self.keys is None:
-            return
-        index = mx.array(keep)
-        width = -(-columns // COLUMNS) * COLUMNS
-        self.keys = self.keys[index, :, :width, :]
-        self.values = self.values[index, :, :width, :]
+    def tokens(self, at: int, start: int, end: int) -> tuple[mx.array, mx.array]:
+        """Position `at`'s K and V at tokens [start, end): [end - start, kv_heads, dim]."""
+        first, pages = start // PAGE, self.positions.pages[at]
+        index = mx.array(pages[first:-(-end // PAGE)])
+        out = []
+        for pool in (self.keys, self.values):
+            got = pool[index]  # [pages, kv_heads, PAGE, dim]
+            got = got.transpose(0, 2, 1, 3).reshape(-1, pool.shape[1], pool.shape[3])
+            out.append(got[start - first * PAGE:end - first * PAGE])
+        return out[0], out[1]
+
+
+def row_tokens(cache: Any, index: int, start: int, end: int) -> tuple[mx.array, mx.array]:
+    """A row's K and V at tokens [start, end) of one attention layer, [tokens, kv_heads, dim]:
+    from the decode batch's pages, or from a prompt's own mlx-lm cache (index 0)."""
+    if isinstance(cache, BatchedKV):
+        return cache.tokens(index, start, end)
+    return (cache.keys[index, :, start:end, :].transpose(1, 0, 2),
+            cache.values[index, :, start:end, :].transpose(1, 0, 2))
 
 
 class BatchedStates(ArraysCache):
@@ -195,10 +268,11 @@ class DecodeBatch:
             self.slots.append(None)
             self.positions.resize(len(self.slots))
         length = _length(cache)
+        pages = self.positions.take(at, length)
         for i, own in enumerate(cache):
             batched = self.caches[i]
             if isinstance(batched, BatchedKV):
-                batched.fill(at, own, length)
+                batched.fill(pages, own, length)
             elif isinstance(batched, BatchedStates):
                 batched.fill(at, own, len(self.slots))
             elif batched is None:  # mlx-lm's merged cache: rows are appended, never holes
@@ -223,6 +297,7 @@ class DecodeBatch:
             self.decoding.discard(row)
             self.slots[at] = None
             self.positions.lengths[at] = 0
+            self.positions.give_back(at)
         self._tidy()
 
     # -- the forward ----------------------------------------------------------------------------
@@ -231,7 +306,9 @@ class DecodeBatch:
         """[positions, 1]: each row's future from token_buf; holes and parked rows read the
         padding row 0 (their outputs are dropped). Called once per decode forward, before it:
         it also prepares the positions' offsets and mask for the layers."""
-        padded = [r if r is not None and r in self.decoding else 0 for r in self.slots]
+        live = [r is not None and r in self.decoding for r in self.slots]
+        padded = [r if ok else 0 for r, ok in zip(self.slots, live)]
+        self.positions.live[:len(live)] = live
         self.positions.prepare()
         return token_buf[mx.array(padded)][:, None]
 
@@ -279,16 +356,18 @@ class DecodeBatch:
         lengths = self.positions.lengths[keep]
         for c in self.caches:
             if isinstance(c, BatchedKV):
-                c.compact(keep, int(lengths.max(initial=0)) + 1)
-            elif isinstance(c, BatchedStates):
+                continue  # its pages stay where they are: only the page tables move
+            if isinstance(c, BatchedStates):
                 c.compact(keep)
             else:
                 before_host_sync()
                 c.filter(mx.array(keep))
         self.slots = [self.slots[i] for i in keep]
         self.where = {r: i for i, r in enumerate(self.slots)}
-        self.positions.lengths = lengths.copy()
-        self.positions.resize(len(self.slots))
+        p = self.positions
+        p.lengths, p.live = lengths.copy(), p.live[keep]
+        p.pages = [p.pages[i] for i in keep]
+        p.resize(len(self.slots))
 
     def _batched(self, cache: Any) -> Any:
         if isinstance(cache, KVCache) and not isinstance(cache, RotatingKVCache):

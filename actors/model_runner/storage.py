@@ -15,6 +15,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from actors.model_runner.decode_batch import row_tokens
 from actors.model_runner.layers import Layers
 from actors.model_runner.rows import Rows, StepError
 from protocol import messages as m
@@ -141,9 +142,7 @@ class Pools:
         caches, index = rows.kv_of(row)
         end = start + len(slots)
         for layer in self.layers.full:
-            c = caches[layer]
-            keys = c.keys[index, :, start:end, :].transpose(1, 0, 2)
-            values = c.values[index, :, start:end, :].transpose(1, 0, 2)
+            keys, values = row_tokens(caches[layer], index, start, end)
             pool.save(layer, slots, keys, values)
 
     def restore(self, cache: list[Any], kv_slots: list[int], state_slot: int | None) -> None:

@@ -114,17 +114,16 @@ def profile(model, installed, batch: int, context: int, repeat: int,
     if attn:
         kv, positions = attn[0], decode.positions
         heads = model.args.num_attention_heads
-        q = mx.random.normal((batch, heads, 1, kv.keys.shape[-1]))
+        q = mx.random.normal((batch, heads, 1, kv.keys.shape[-1]), dtype=kv.keys.dtype)
         if installed.decode_attention:  # what the runner's steps run
             import mas_kernels
 
             core = median_ms(lambda: mas_kernels.decode_attention(
-                q, kv.keys, kv.values, positions.keys_per_row, 0.1), repeat)
-        else:
-            k = kv.keys[:batch, :, :positions.width]
-            v = kv.values[:batch, :, :positions.width]
+                q, kv.keys, kv.values, positions.table, positions.keys_per_row, 0.1), repeat)
+        else:  # the pages gathered for MLX's attention, as update_and_fetch gives them
             core = median_ms(lambda: mx.fast.scaled_dot_product_attention(
-                q, k, v, scale=0.1, mask=positions.mask), repeat)
+                q, kv.gather(kv.keys, positions.table), kv.gather(kv.values, positions.table),
+                scale=0.1, mask=positions.mask), repeat)
         parts["attention core"] = core * len(attn)
     sampler = Sampler(vocab, batch)
     for row in range(1, batch + 1):

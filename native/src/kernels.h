@@ -42,16 +42,19 @@ struct F32Args {
   int64_t M, N, K;
 };
 
-// out[b, h] = softmax(scale * q[b, h] . k[b, h / group, t]) v[b, h / group, t] over t < lengths[b]:
-// one query token per row against the decode batch's K and V buffers [>= rows, kv_heads,
-// columns, dim] (row b at buffer row b), dim a multiple of 16, group = heads / kv_heads <= 64.
+// out[b, h] = softmax(scale * q[b, h] . K_b[h / group, t]) V_b[h / group, t] over t < lengths[b],
+// where row b's token t lives at k[pages[b, t / page], kv_head, t % page] (and v alike): one
+// query token per row against the decode batch's page pool [pool pages, kv_heads, page, dim],
+// dim a multiple of 16, group = heads / kv_heads <= 64. A contiguous [rows, kv_heads, columns,
+// dim] buffer is the pool with page = columns and pages[b] = {b}.
 struct AttnArgs {
   const float* q;  // [rows, heads, dim]
   const float* k;
   const float* v;
-  const int32_t* lengths;  // [rows], each <= columns
+  const int32_t* pages;  // [rows, max_pages]
+  const int32_t* lengths;  // [rows], each <= max_pages * page
   float* out;  // [rows, heads, dim]
-  int64_t rows, heads, kv_heads, columns, dim;
+  int64_t rows, heads, kv_heads, page, max_pages, pool_pages, dim;
   float scale;
 };
 

@@ -241,7 +241,8 @@ std::vector<mx::Shape> DenseMatmul::output_shapes(const std::vector<mx::array>& 
 }
 
 mx::array decode_attention(const mx::array& q, const mx::array& k, const mx::array& v,
-                           const mx::array& lengths, float scale, mx::StreamOrDevice s) {
+                           const mx::array& pages, const mx::array& lengths, float scale,
+                           mx::StreamOrDevice s) {
   const std::string op = "decode_attention: ";
   if (q.dtype() != mx::float32 || k.dtype() != mx::float32 || v.dtype() != mx::float32) {
     throw std::invalid_argument(op + "q, k and v must be float32");
@@ -251,11 +252,11 @@ mx::array decode_attention(const mx::array& q, const mx::array& k, const mx::arr
                                 shape_str(q.shape()));
   }
   if (k.ndim() != 4 || k.shape() != v.shape()) {
-    throw std::invalid_argument(op + "k and v must be one shape [rows, kv_heads, columns, dim], "
+    throw std::invalid_argument(op + "k and v must be one shape [pages, kv_heads, page, dim], "
                                 "got " + shape_str(k.shape()) + " and " + shape_str(v.shape()));
   }
   const int rows = q.shape(0), heads = q.shape(1), dim = q.shape(3), kv_heads = k.shape(1);
-  if (k.shape(0) < rows || k.shape(3) != dim || kv_heads == 0 || heads % kv_heads != 0) {
+  if (k.shape(3) != dim || kv_heads == 0 || heads % kv_heads != 0) {
     throw std::invalid_argument(op + "q " + shape_str(q.shape()) + " does not match k " +
                                 shape_str(k.shape()));
   }
@@ -264,13 +265,17 @@ mx::array decode_attention(const mx::array& q, const mx::array& k, const mx::arr
                                 "KV head, got dim " + std::to_string(dim) + ", " +
                                 std::to_string(heads / std::max(kv_heads, 1)) + " per KV head");
   }
+  if (pages.dtype() != mx::int32 || pages.ndim() != 2 || pages.shape(0) != rows) {
+    throw std::invalid_argument(op + "pages must be int32 [rows, max_pages] with rows = " +
+                                std::to_string(rows) + ", got " + shape_str(pages.shape()));
+  }
   if (lengths.dtype() != mx::int32 || lengths.shape() != mx::Shape{rows}) {
     throw std::invalid_argument(op + "lengths must be int32 [rows] = [" + std::to_string(rows) +
                                 "], got " + shape_str(lengths.shape()));
   }
   mx::Stream stream = cpu_stream(s, "decode_attention");
   return mx::array(q.shape(), mx::float32, std::make_shared<DecodeAttention>(stream, scale),
-                   {q, k, v, lengths});
+                   {q, k, v, pages, lengths});
 }
 
 void DecodeAttention::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
@@ -280,16 +285,25 @@ void DecodeAttention::eval_cpu(const std::vector<mx::array>& inputs, mx::array& 
   mx::array q = row_contiguous(inputs[0], enc);
   mx::array k = row_contiguous(inputs[1], enc);
   mx::array v = row_contiguous(inputs[2], enc);
-  mx::array lengths = row_contiguous(inputs[3], enc);
-  for (const auto& a : {q, k, v, lengths}) enc.set_input_array(a);
+  mx::array pages = row_contiguous(inputs[3], enc);
+  mx::array lengths = row_contiguous(inputs[4], enc);
+  for (const auto& a : {q, k, v, pages, lengths}) enc.set_input_array(a);
   enc.set_output_array(out);
-  AttnArgs args{q.data<float>(), k.data<float>(), v.data<float>(), lengths.data<int32_t>(),
-                out.data<float>(), q.shape(0), q.shape(1), k.shape(1), k.shape(2), q.shape(3),
-                scale_};
+  AttnArgs args{q.data<float>(), k.data<float>(), v.data<float>(), pages.data<int32_t>(),
+                lengths.data<int32_t>(), out.data<float>(), q.shape(0), q.shape(1), k.shape(1),
+                k.shape(2), pages.shape(1), k.shape(0), q.shape(3), scale_};
   enc.dispatch([args]() {
-    for (int64_t b = 0; b < args.rows; ++b) {  // a length past the buffer would read past it
-      if (args.lengths[b] > args.columns) {
-        throw std::out_of_range("decode_attention: a row's length is past the K/V columns");
+    // A length past the row's pages, or a page id past the pool, would read past the buffers.
+    for (int64_t b = 0; b < args.rows; ++b) {
+      const int64_t length = args.lengths[b];
+      if (length > args.max_pages * args.page) {
+        throw std::out_of_range("decode_attention: a row's length is past its pages");
+      }
+      for (int64_t p = 0; p * args.page < length; ++p) {
+        const int32_t id = args.pages[b * args.max_pages + p];
+        if (id < 0 || id >= args.pool_pages) {
+          throw std::out_of_range("decode_attention: a page id is outside the K/V pool");
+        }
       }
     }
     mas::attention(args);

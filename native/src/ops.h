@@ -21,10 +21,12 @@ mx::array bf16_matmul(const mx::array& x, const mx::array& w, mx::StreamOrDevice
 mx::array f32_matmul(const mx::array& x, const mx::array& w, mx::StreamOrDevice s = {});
 
 // Decode attention over the runner's decode batch: q [rows, heads, 1, dim] float32 (one token
-// per row), k and v the batch's whole buffers [>= rows, kv_heads, columns, dim] float32, lengths
-// [rows] int32 (keys row b attends to: columns 0 .. lengths[b]-1) -> [rows, heads, 1, dim].
+// per row), k and v the batch's page pool [pool pages, kv_heads, page, dim] float32, pages
+// [rows, max_pages] int32 (row b's token t is at k[pages[b, t / page], :, t % page]), lengths
+// [rows] int32 (row b attends to its tokens 0 .. lengths[b]-1) -> [rows, heads, 1, dim].
 mx::array decode_attention(const mx::array& q, const mx::array& k, const mx::array& v,
-                           const mx::array& lengths, float scale, mx::StreamOrDevice s = {});
+                           const mx::array& pages, const mx::array& lengths, float scale,
+                           mx::StreamOrDevice s = {});
 
 class DecodeAttention : public mx::UnaryPrimitive {
  public:

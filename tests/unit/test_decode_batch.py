@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 from mlx_lm.models.cache import ArraysCache, KVCache
 
-from actors.model_runner.decode_batch import BatchedKV, BatchedStates, DecodeBatch
+from actors.model_runner.decode_batch import (FIRST_PAGES, PAGE, BatchedKV, BatchedStates,
+                                              DecodeBatch, row_tokens)
 
 HEADS, DIM = 2, 8
 
@@ -30,8 +31,10 @@ def state_cache(seed: int) -> ArraysCache:
 
 
 def row_kv(batch: DecodeBatch, row: int) -> np.ndarray:
+    """The row's keys as the batch holds them, [heads, length, dim], read through its pages."""
     kv, at = batch.caches[0], batch.where[row]
-    return np.array(kv.keys[at, :, :batch.positions.lengths[at], :])
+    keys, _ = kv.tokens(at, 0, int(batch.positions.lengths[at]))
+    return np.array(keys.transpose(1, 0, 2))
 
 
 def own_kv(cache: KVCache) -> np.ndarray:
@@ -61,10 +64,12 @@ def test_a_row_that_leaves_is_a_hole_and_the_others_are_not_copied():
     batch, caches = joined({1: 5, 2: 300, 3: 7})
     keys = batch.caches[0].keys
     mx.eval(keys)
+    long_pages = list(batch.positions.pages[1])
     batch.release([2])  # the long one, in the middle
     assert batch.slots == [1, None, 3]
     assert batch.caches[0].keys is keys  # no filter, no copy: the same buffer
     assert batch.rows == [1, 3]
+    assert len(long_pages) == -(-300 // PAGE) and set(long_pages) <= set(batch.positions.free)
     for row in (1, 3):
         np.testing.assert_array_equal(row_kv(batch, row), own_kv(caches[row]))
 
@@ -128,8 +133,10 @@ def test_positions_compact_only_when_holes_are_more_than_half():
     assert batch.slots == [None, None, None, 4, 5, 6] and batch.caches[0].keys is keys
     batch.release([6])  # trailing: dropped at once; 3 holes of 5 now: compacted
     assert batch.slots == [4, 5]
+    assert batch.caches[0].keys is keys  # only the page tables moved
+    step(batch, seed=1)  # and the rows decode on from their new positions
     for row in (4, 5):
-        np.testing.assert_array_equal(row_kv(batch, row), own_kv(caches[row]))
+        np.testing.assert_array_equal(row_kv(batch, row)[:, :-1], own_kv(caches[row]))
     batch.release([4, 5])
     assert len(batch) == 0 and batch.caches is None  # empty: every buffer goes
 
@@ -147,17 +154,44 @@ def test_recurrent_states_follow_the_positions():
     assert np.array(batch.caches[0][1]).ravel().tolist() == [-3.0] * 4
 
 
-def test_the_batch_grows_rows_and_columns_keeping_what_it_holds():
+def test_the_pool_holds_the_rows_tokens_not_rows_times_the_longest():
+    lengths = {1: 2000, **{r: 20 for r in range(2, 17)}}
+    batch, caches = joined(lengths)
+    held = sum(-(-n // PAGE) for n in lengths.values())
+    assert batch.positions.used - 1 == held  # page 0 is the scratch page
+    # 16 rows padded to the longest would be 16 x 2000 tokens; the pool is a power of two
+    # of pages at least as large as what the rows hold.
+    assert held * PAGE < 16 * 2000 / 5
+    assert held <= batch.caches[0].keys.shape[0] < 2 * max(held + 1, FIRST_PAGES)
+
+
+def test_the_pool_grows_keeping_what_it_holds_and_reuses_freed_pages():
     batch, caches = joined({1: 250, 2: 3})
     kv = batch.caches[0]
-    assert isinstance(kv, BatchedKV) and kv.keys.shape[2] == 256
-    for s in range(8):  # row 1 passes 256 columns: the buffer grows, nothing is lost
+    assert isinstance(kv, BatchedKV) and kv.keys.shape[0] == FIRST_PAGES
+    for row in range(3, 8):  # more pages than the pool has: it doubles, nothing is lost
+        batch.join(row, [kv_cache(200, seed=row)])
+        caches[row] = kv_cache(200, seed=row)
+    assert kv.keys.shape[0] == 2 * FIRST_PAGES
+    for s in range(8):  # row 1 passes a page boundary (256 tokens) while decoding
         step(batch, seed=s)
-    assert kv.keys.shape[2] == 512
-    np.testing.assert_array_equal(row_kv(batch, 1)[:, :250], own_kv(caches[1]))
-    for row in range(3, 8):  # more rows than the buffer has: it doubles
-        batch.join(row, [kv_cache(4, seed=row)])
-    assert kv.keys.shape[0] >= 7
+    for row in range(1, 8):
+        length = caches[row].offset
+        np.testing.assert_array_equal(row_kv(batch, row)[:, :length], own_kv(caches[row]))
+    freed = list(batch.positions.pages[batch.where[3]])
+    batch.release([3])
+    batch.join(9, [kv_cache(200, seed=9)])  # takes the freed (warm) pages, not new ones
+    assert sorted(batch.positions.pages[batch.where[9]]) == sorted(freed)
+
+
+def test_a_kv_save_reads_any_token_range_through_the_pages():
+    batch, caches = joined({1: 37, 2: 5})
+    for start, end in ((0, 37), (3, 20), (16, 32), (30, 37)):
+        keys, values = row_tokens(batch.caches[0], batch.where[1], start, end)
+        own_k, own_v = row_tokens(caches[1], 0, start, end)
+        assert keys.shape == (end - start, HEADS, DIM)
+        np.testing.assert_array_equal(np.array(keys), np.array(own_k))
+        np.testing.assert_array_equal(np.array(values), np.array(own_v))
 
 
 def test_a_sequence_of_more_than_one_token_is_refused():

@@ -5,7 +5,7 @@ MLX's CPU attention for the decode batch reads every row up to the batch's longe
 buffers, and with fast math on it leaves the graph for a NumPy softmax in every layer. After a
 2,000-token prompt joined 9 rows of ~200 tokens, their decode step went from ~40 to 80-130 ms
 (qwen3-small; 54-63 ms with the kernel). The kernel reads each row's own length straight from
-the batch's buffers ([positions, kv_heads, columns, dim], decode_batch.BatchedKV): 2.6-2.8x
+the batch's page pool through its page table (decode_batch.BatchedKV): 2.6-2.8x
 MLX's attention at 1 row, 4.0x at 16 rows of 256 or 2,000 tokens, 14.7 GB/s
 (`python -m benchmarks.kernels.attention`), and no host sync.
 
@@ -55,8 +55,9 @@ def attention(queries: mx.array, keys: mx.array, values: mx.array, cache, scale:
     kernels = _kernel.get()
     if (kernels is not None and sinks is None and isinstance(cache, BatchedKV)
             and _fits(queries, cache)):
-        return kernels.decode_attention(queries, cache.keys, cache.values,
-                                        cache.positions.keys_per_row, scale)
+        p = cache.positions
+        return kernels.decode_attention(queries, cache.keys, cache.values, p.table,
+                                        p.keys_per_row, scale)
     return fastmath.attention(queries, keys, values, cache=cache, scale=scale, mask=mask,
                               sinks=sinks)
 
