@@ -4,7 +4,7 @@ position (DESIGN section 4's decode batch, in a layout the runner owns).
 Why not mlx-lm's BatchKVCache: it keeps rows left padded to a common end, so a row that leaves
 (filter, extract) or joins (extend) copies the KV of every other row, and it holds rows x the
 longest context. Here a row has a position for as long as it holds KV:
-- A full-attention layer's K and V live in `BatchedKV`: a pool of pages [pages, kv_heads, PAGE,
+- A full-attention layer's K and V live in `BatchedKV`: a pool of pages [kv_heads, pages, PAGE,
   dim] shared out by `Positions`, each position's tokens in pages of its own (its page table).
   A joining row copies its prompt's KV into fresh pages; a leaving row's pages go back to the
   free list; nothing else moves, and the pool holds the tokens the rows hold (rounded up to a
@@ -116,7 +116,10 @@ class BatchedKV:
 
     def __init__(self, positions: Positions):
         self.positions = positions
-        self.keys: mx.array | None = None  # [pool pages, kv_heads, PAGE, dim]
+        # [kv_heads, pool pages, PAGE, dim]: head-major, so a row's run of pages is one
+        # contiguous stretch per head, as the kernel reads it (a third faster at 16 x 2,000
+        # tokens than page-major).
+        self.keys: mx.array | None = None
         self.values: mx.array | None = None
 
     @property
@@ -141,22 +144,22 @@ class BatchedKV:
         # One scatter per array, in place (the old buffer is donated).
         pages, slots = p.at
         heads = mx.arange(keys.shape[1])[None]
-        self.keys[pages, heads, slots, :] = keys[:, :, 0, :]
-        self.values[pages, heads, slots, :] = values[:, :, 0, :]
+        self.keys[heads, pages, slots, :] = keys[:, :, 0, :]
+        self.values[heads, pages, slots, :] = values[:, :, 0, :]
         return self.gather(self.keys, p.table), self.gather(self.values, p.table)
 
     @staticmethod
     def gather(pool: mx.array, table: mx.array) -> mx.array:
         """The pages of each table row laid end to end: [rows, kv_heads, pages x PAGE, dim]."""
         n, most = table.shape
-        got = pool[table]  # [n, most, kv_heads, PAGE, dim]
-        return got.transpose(0, 2, 1, 3, 4).reshape(n, pool.shape[1], most * PAGE,
+        got = pool[:, table]  # [kv_heads, n, most, PAGE, dim]
+        return got.transpose(1, 0, 2, 3, 4).reshape(n, pool.shape[0], most * PAGE,
                                                      pool.shape[3])
 
     def reserve(self, like_k: mx.array, like_v: mx.array) -> None:
         """Room for every page handed out: the pool doubles (copying what it holds)."""
         need = self.positions.used
-        have = 0 if self.keys is None else self.keys.shape[0]
+        have = 0 if self.keys is None else self.keys.shape[1]
         if have >= need:
             return
         size = max(have, FIRST_PAGES)
@@ -164,9 +167,9 @@ class BatchedKV:
             size *= 2
         grown = []
         for old, like in ((self.keys, like_k), (self.values, like_v)):
-            a = mx.zeros((size, like.shape[1], PAGE, like.shape[-1]), like.dtype)
+            a = mx.zeros((like.shape[1], size, PAGE, like.shape[-1]), like.dtype)
             if old is not None:
-                a[:have] = old
+                a[:, :have] = old
             grown.append(a)
         self.keys, self.values = grown
 
@@ -182,8 +185,7 @@ class BatchedKV:
             if pad:
                 got = mx.concatenate([got, mx.zeros((got.shape[0], pad, got.shape[2]),
                                                     got.dtype)], axis=1)
-            pool[index] = got.reshape(got.shape[0], len(pages), PAGE,
-                                      got.shape[2]).transpose(1, 0, 2, 3)
+            pool[:, index] = got.reshape(got.shape[0], len(pages), PAGE, got.shape[2])
 
     def tokens(self, at: int, start: int, end: int) -> tuple[mx.array, mx.array]:
         """Position `at`'s K and V at tokens [start, end): [end - start, kv_heads, dim]."""
@@ -191,8 +193,8 @@ class BatchedKV:
         index = mx.array(pages[first:-(-end // PAGE)])
         out = []
         for pool in (self.keys, self.values):
-            got = pool[index]  # [pages, kv_heads, PAGE, dim]
-            got = got.transpose(0, 2, 1, 3).reshape(-1, pool.shape[1], pool.shape[3])
+            got = pool[:, index]  # [kv_heads, pages, PAGE, dim]
+            got = got.reshape(pool.shape[0], -1, pool.shape[3]).transpose(1, 0, 2)
             out.append(got[start - first * PAGE:end - first * PAGE])
         return out[0], out[1]
 

@@ -3,7 +3,7 @@
     python -m benchmarks.kernels.attention [--rows 1 16] [--context 256 2000]
 
 One layer of qwen3-small's shape (16 query heads, 4 KV heads, dim 64) over the decode batch's
-page pool (decode_batch.PAGE tokens a page, each row's pages shuffled through the pool):
+page pool (decode_batch.PAGE tokens a page; each row's pages in a run, as a join takes them):
 mas_kernels.decode_attention reads each row's own length through its page table. MLX's
 mx.fast.scaled_dot_product_attention is timed twice: on rows already laid out contiguously
 (the best MLX can do) and with the pages gathered first (what the decode forward gives it where
@@ -40,10 +40,11 @@ def main(argv: list[str] | None = None) -> None:
     for rows in args.rows:
         for context in args.context:
             per_row = -(-(context + 1) // PAGE)
-            table = mx.random.permutation(rows * per_row).reshape(rows, per_row)
-            table = table.astype(mx.int32)
+            # Each row's pages in a run, as a join takes them; the rows in no order.
+            order = mx.random.permutation(rows)[:, None] * per_row
+            table = (order + mx.arange(per_row)[None]).astype(mx.int32)
             q = mx.random.normal((rows, args.heads, 1, args.dim))
-            k = mx.random.normal((rows * per_row, args.kv_heads, PAGE, args.dim))
+            k = mx.random.normal((args.kv_heads, rows * per_row, PAGE, args.dim))
             v = mx.random.normal(k.shape)
             lengths = mx.array([context + 1] * rows, dtype=mx.int32)
             mask = mx.ones((rows, 1, 1, per_row * PAGE), dtype=mx.bool_)

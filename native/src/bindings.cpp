@@ -31,9 +31,9 @@ NB_MODULE(_ext, m) {
   m.def("decode_attention", &mas::decode_attention, "q"_a, "k"_a, "v"_a, "pages"_a,
         "lengths"_a, "scale"_a, nb::kw_only(), "stream"_a = nb::none(),
         "One query token per row against the decode batch's page pool: q [rows, heads, 1, "
-        "dim], k and v [pool pages, kv_heads, page, dim] (float32), pages int32 [rows, "
+        "dim], k and v [kv_heads, pool pages, page, dim] (float32), pages int32 [rows, "
         "max_pages], lengths int32 [rows]: row b attends to its tokens 0 .. lengths[b]-1, token "
-        "t at k[pages[b, t // page], :, t % page]. -> [rows, heads, 1, dim].");
+        "t at k[:, pages[b, t // page], t % page]. -> [rows, heads, 1, dim].");
   m.def("isa", [] { return std::string(mas::isa_name(mas::current_isa())); },
         "The kernel path in use: 'avx512', 'avx2' or 'scalar'.");
   m.def(

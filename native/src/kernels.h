@@ -43,9 +43,9 @@ struct F32Args {
 };
 
 // out[b, h] = softmax(scale * q[b, h] . K_b[h / group, t]) V_b[h / group, t] over t < lengths[b],
-// where row b's token t lives at k[pages[b, t / page], kv_head, t % page] (and v alike): one
-// query token per row against the decode batch's page pool [pool pages, kv_heads, page, dim],
-// dim a multiple of 16, group = heads / kv_heads <= 64. A contiguous [rows, kv_heads, columns,
+// where row b's token t lives at k[kv_head, pages[b, t / page], t % page] (and v alike): one
+// query token per row against the decode batch's page pool [kv_heads, pool pages, page, dim],
+// dim a multiple of 16, group = heads / kv_heads <= 64. A contiguous [kv_heads, rows, columns,
 // dim] buffer is the pool with page = columns and pages[b] = {b}.
 struct AttnArgs {
   const float* q;  // [rows, heads, dim]

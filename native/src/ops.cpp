@@ -252,10 +252,10 @@ mx::array decode_attention(const mx::array& q, const mx::array& k, const mx::arr
                                 shape_str(q.shape()));
   }
   if (k.ndim() != 4 || k.shape() != v.shape()) {
-    throw std::invalid_argument(op + "k and v must be one shape [pages, kv_heads, page, dim], "
+    throw std::invalid_argument(op + "k and v must be one shape [kv_heads, pages, page, dim], "
                                 "got " + shape_str(k.shape()) + " and " + shape_str(v.shape()));
   }
-  const int rows = q.shape(0), heads = q.shape(1), dim = q.shape(3), kv_heads = k.shape(1);
+  const int rows = q.shape(0), heads = q.shape(1), dim = q.shape(3), kv_heads = k.shape(0);
   if (k.shape(3) != dim || kv_heads == 0 || heads % kv_heads != 0) {
     throw std::invalid_argument(op + "q " + shape_str(q.shape()) + " does not match k " +
                                 shape_str(k.shape()));
@@ -290,8 +290,8 @@ void DecodeAttention::eval_cpu(const std::vector<mx::array>& inputs, mx::array& 
   for (const auto& a : {q, k, v, pages, lengths}) enc.set_input_array(a);
   enc.set_output_array(out);
   AttnArgs args{q.data<float>(), k.data<float>(), v.data<float>(), pages.data<int32_t>(),
-                lengths.data<int32_t>(), out.data<float>(), q.shape(0), q.shape(1), k.shape(1),
-                k.shape(2), pages.shape(1), k.shape(0), q.shape(3), scale_};
+                lengths.data<int32_t>(), out.data<float>(), q.shape(0), q.shape(1), k.shape(0),
+                k.shape(2), pages.shape(1), k.shape(1), q.shape(3), scale_};
   enc.dispatch([args]() {
     // A length past the row's pages, or a page id past the pool, would read past the buffers.
     for (int64_t b = 0; b < args.rows; ++b) {

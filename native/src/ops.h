@@ -21,8 +21,8 @@ mx::array bf16_matmul(const mx::array& x, const mx::array& w, mx::StreamOrDevice
 mx::array f32_matmul(const mx::array& x, const mx::array& w, mx::StreamOrDevice s = {});
 
 // Decode attention over the runner's decode batch: q [rows, heads, 1, dim] float32 (one token
-// per row), k and v the batch's page pool [pool pages, kv_heads, page, dim] float32, pages
-// [rows, max_pages] int32 (row b's token t is at k[pages[b, t / page], :, t % page]), lengths
+// per row), k and v the batch's page pool [kv_heads, pool pages, page, dim] float32, pages
+// [rows, max_pages] int32 (row b's token t is at k[:, pages[b, t / page], t % page]), lengths
 // [rows] int32 (row b attends to its tokens 0 .. lengths[b]-1) -> [rows, heads, 1, dim].
 mx::array decode_attention(const mx::array& q, const mx::array& k, const mx::array& v,
                            const mx::array& pages, const mx::array& lengths, float scale,

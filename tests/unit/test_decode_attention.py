@@ -39,6 +39,11 @@ def contiguous(rows: int) -> mx.array:
     return mx.arange(rows, dtype=mx.int32)[:, None]
 
 
+def as_pool(k: mx.array) -> mx.array:
+    """That buffer as the kernel's head-major pool [kv_heads, pages, page, dim] (a view)."""
+    return k.transpose(1, 0, 2, 3)
+
+
 @pytest.mark.parametrize("heads,kv_heads,dim,columns,lengths", [
     (16, 4, 64, 300, [1, 257, 100, 300]),  # qwen3-small's shape; a row at full capacity
     (8, 8, 128, 64, [64, 1, 0, 33, 2]),  # no GQA; a hole (length 0)
@@ -52,7 +57,8 @@ def test_matches_mlx_attention_over_each_rows_keys(isa, heads, kv_heads, dim, co
     # Spare buffer rows past b and garbage past each length: the kernel must not read them.
     k = mx.array(rng.standard_normal((b + 2, kv_heads, columns, dim)).astype(np.float32) * 3)
     v = mx.array(rng.standard_normal((b + 2, kv_heads, columns, dim)).astype(np.float32))
-    got = mk.decode_attention(q, k, v, contiguous(b), mx.array(lengths, dtype=mx.int32), 0.125)
+    got = mk.decode_attention(q, as_pool(k), as_pool(v), contiguous(b),
+                              mx.array(lengths, dtype=mx.int32), 0.125)
     want = reference(q, k, v, lengths, 0.125)
     assert got.shape == q.shape and got.dtype == mx.float32
     np.testing.assert_allclose(np.array(got), np.array(want), atol=2e-6, rtol=1e-5)
@@ -74,14 +80,16 @@ def test_reads_each_rows_tokens_through_its_page_table(isa, page):
         table[b, :used] = ids[at:at + used]
         table[b, used:] = ids[-1]  # past the row's length: never read
         at += used
-    pool_k = rng.standard_normal((pool_pages, kv_heads, page, dim)).astype(np.float32)
-    pool_v = rng.standard_normal((pool_pages, kv_heads, page, dim)).astype(np.float32)
+    pool_k = rng.standard_normal((kv_heads, pool_pages, page, dim)).astype(np.float32)
+    pool_v = rng.standard_normal((kv_heads, pool_pages, page, dim)).astype(np.float32)
     q = mx.array(rng.standard_normal((len(lengths), heads, 1, dim)).astype(np.float32))
     got = mk.decode_attention(q, mx.array(pool_k), mx.array(pool_v), mx.array(table),
                               mx.array(lengths, dtype=mx.int32), 0.2)
     # Each row's tokens laid out contiguously, for the reference.
-    k = pool_k[table].transpose(0, 2, 1, 3, 4).reshape(len(lengths), kv_heads, most * page, dim)
-    v = pool_v[table].transpose(0, 2, 1, 3, 4).reshape(len(lengths), kv_heads, most * page, dim)
+    k = pool_k[:, table].transpose(1, 0, 2, 3, 4).reshape(len(lengths), kv_heads, most * page,
+                                                          dim)
+    v = pool_v[:, table].transpose(1, 0, 2, 3, 4).reshape(len(lengths), kv_heads, most * page,
+                                                          dim)
     want = reference(q, mx.array(k), mx.array(v), lengths, 0.2)
     np.testing.assert_allclose(np.array(got), np.array(want), atol=2e-6, rtol=1e-5)
 
@@ -91,7 +99,8 @@ def test_large_scores_do_not_overflow(isa):
     q = mx.full((1, 2, 1, 16), 30.0)
     k = mx.concatenate([mx.full((1, 1, 3, 16), 20.0), mx.full((1, 1, 3, 16), -20.0)], axis=2)
     v = mx.arange(6 * 16, dtype=mx.float32).reshape(1, 1, 6, 16)
-    got = mk.decode_attention(q, k, v, contiguous(1), mx.array([6], dtype=mx.int32), 1.0)
+    got = mk.decode_attention(q, as_pool(k), as_pool(v), contiguous(1),
+                              mx.array([6], dtype=mx.int32), 1.0)
     want = reference(q, k, v, [6], 1.0)
     assert np.isfinite(np.array(got)).all()
     np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-5)
@@ -103,7 +112,7 @@ def test_lazy_in_a_graph_and_strided_query():
     k = mx.random.normal((3, 2, 10, 64)) * 2
     v = mx.random.normal((3, 2, 10, 64)) + 1
     lengths = mx.array([10, 4, 7], dtype=mx.int32)
-    got = mk.decode_attention(q, k, v, contiguous(3), lengths, 0.3) * 2
+    got = mk.decode_attention(q, as_pool(k), as_pool(v), contiguous(3), lengths, 0.3) * 2
     want = reference(q, k, v, [10, 4, 7], 0.3) * 2
     np.testing.assert_allclose(np.array(got), np.array(want), atol=2e-6, rtol=1e-5)
 

@@ -162,17 +162,17 @@ def test_the_pool_holds_the_rows_tokens_not_rows_times_the_longest():
     # 16 rows padded to the longest would be 16 x 2000 tokens; the pool is a power of two
     # of pages at least as large as what the rows hold.
     assert held * PAGE < 16 * 2000 / 5
-    assert held <= batch.caches[0].keys.shape[0] < 2 * max(held + 1, FIRST_PAGES)
+    assert held <= batch.caches[0].keys.shape[1] < 2 * max(held + 1, FIRST_PAGES)
 
 
 def test_the_pool_grows_keeping_what_it_holds_and_reuses_freed_pages():
     batch, caches = joined({1: 250, 2: 3})
     kv = batch.caches[0]
-    assert isinstance(kv, BatchedKV) and kv.keys.shape[0] == FIRST_PAGES
+    assert isinstance(kv, BatchedKV) and kv.keys.shape[1] == FIRST_PAGES
     for row in range(3, 8):  # more pages than the pool has: it doubles, nothing is lost
         batch.join(row, [kv_cache(200, seed=row)])
         caches[row] = kv_cache(200, seed=row)
-    assert kv.keys.shape[0] == 2 * FIRST_PAGES
+    assert kv.keys.shape[1] == 2 * FIRST_PAGES
     for s in range(8):  # row 1 passes a page boundary (256 tokens) while decoding
         step(batch, seed=s)
     for row in range(1, 8):

@@ -46,7 +46,7 @@ def _fits(queries: mx.array, cache: BatchedKV) -> bool:
     keys = cache.keys
     return (length == 1 and keys is not None and queries.dtype == mx.float32
             and keys.dtype == mx.float32 and dim % 16 == 0 and keys.shape[-1] == dim
-            and heads % keys.shape[1] == 0 and heads // keys.shape[1] <= MAX_GROUP)
+            and heads % keys.shape[0] == 0 and heads // keys.shape[0] <= MAX_GROUP)
 
 
 def attention(queries: mx.array, keys: mx.array, values: mx.array, cache, scale: float,
