@@ -53,8 +53,10 @@ class Positions:
         self.pages: list[list[int]] = []  # position -> its pages, in token order
         self.free: list[int] = []  # pages to hand out again, the last freed first (warm)
         self.used = 1  # pages ever handed out; page 0 is the scratch page
+        self.capacity = 0  # pages the layers' pools hold (they grow to it together)
         self.offset: mx.array | None = None  # [n] RoPE offsets: where each row's token goes
-        self.at: tuple[mx.array, mx.array] | None = None  # ([n, 1] pages, [n, 1] slots) written
+        self._at = np.zeros(0, np.int64)  # [n] each row's written token: page * PAGE + slot
+        self._writes: dict[int, mx.array] = {}  # kv_heads -> this step's flat write index
         self.table: mx.array | None = None  # [n, max pages] int32: each position's pages
         self.mask: mx.array | None = None  # [n, 1, 1, width] keys each row attends to
         self.keys_per_row: mx.array | None = None  # [n] int32: the same as counts (the kernel's)
@@ -85,7 +87,21 @@ class Positions:
         if self.free:
             return self.free.pop()
         self.used += 1
+        if self.used > self.capacity:  # the pools double (BatchedKV.reserve)
+            self.capacity = max(self.capacity, FIRST_PAGES)
+            while self.capacity < self.used:
+                self.capacity *= 2
         return self.used - 1
+
+    def writes(self, kv_heads: int) -> mx.array:
+        """[n x kv_heads] int32: where this step's token of row b, head h goes in a pool seen
+        flat as [kv_heads x capacity x PAGE, dim], in the order of the new keys reshaped to
+        [n x kv_heads, dim]. Made once per step for every layer."""
+        if kv_heads not in self._writes:
+            heads = np.arange(kv_heads, dtype=np.int64)[None] * (self.capacity * PAGE)
+            self._writes[kv_heads] = mx.array((heads + self._at[:, None]).reshape(-1)
+                                              .astype(np.int32))
+        return self._writes[kv_heads]
 
     # -- the forward ----------------------------------------------------------------------------
 
@@ -104,7 +120,8 @@ class Positions:
             table[at, :len(self.pages[at])] = self.pages[at]
         self.width = most * PAGE
         self.offset = mx.array(lengths)
-        self.at = (mx.array(page)[:, None], mx.array(slot)[:, None])  # once, for every layer
+        self._at = page.astype(np.int64) * PAGE + slot
+        self._writes = {}
         self.table = mx.array(table)
         self.mask = mx.array(np.arange(self.width)[None] < counts[:, None])[:, None, None, :]
         self.keys_per_row = mx.array(counts)
@@ -141,11 +158,15 @@ class BatchedKV:
         kernel reads the pool through the page table and never evaluates them)."""
         p = self.positions
         self.reserve(keys, values)
-        # One scatter per array, in place (the old buffer is donated).
-        pages, slots = p.at
-        heads = mx.arange(keys.shape[1])[None]
-        self.keys[heads, pages, slots, :] = keys[:, :, 0, :]
-        self.values[heads, pages, slots, :] = values[:, :, 0, :]
+        # One scatter per array through the pool seen flat, in place (the old buffer is
+        # donated), with the step's one index array: a few graph nodes, not a dozen.
+        index = p.writes(keys.shape[1])
+        written = []
+        for pool, new in ((self.keys, keys), (self.values, values)):
+            flat = pool.reshape(-1, pool.shape[-1])
+            flat[index] = new.reshape(-1, new.shape[-1])
+            written.append(flat.reshape(pool.shape))
+        self.keys, self.values = written
         return self.gather(self.keys, p.table), self.gather(self.values, p.table)
 
     @staticmethod
@@ -158,13 +179,10 @@ class BatchedKV:
 
     def reserve(self, like_k: mx.array, like_v: mx.array) -> None:
         """Room for every page handed out: the pool doubles (copying what it holds)."""
-        need = self.positions.used
+        size = self.positions.capacity
         have = 0 if self.keys is None else self.keys.shape[1]
-        if have >= need:
+        if have >= size:
             return
-        size = max(have, FIRST_PAGES)
-        while size < need:
-            size *= 2
         grown = []
         for old, like in ((self.keys, like_k), (self.values, like_v)):
             a = mx.zeros((like.shape[1], size, PAGE, like.shape[-1]), like.dtype)

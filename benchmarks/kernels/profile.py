@@ -135,7 +135,9 @@ def profile(model, installed, batch: int, context: int, repeat: int,
     named = sum(v for k, v in parts.items()
                 if k not in ("step", "graph build (Python)", "sampling (greedy)"))
     parts["rest"] = parts["step"] - named
-    kv_bytes = sum(batch * (context + 1) * c.keys[0, :, 0].nbytes * 2 for c in attn)
+    # One token's K or V in a layer: kv_heads x dim (the pool is [kv_heads, pages, page, dim]).
+    kv_bytes = sum(batch * (context + 1) * c.keys.shape[0] * c.keys.shape[-1] * c.keys.itemsize
+                   * 2 for c in attn)
     return {"parts": parts,
             "bytes": {"linear layers": sum(weight_bytes(m) for _, m in layers),
                       "LM head": weight_bytes(head_module), "attention core": kv_bytes}}

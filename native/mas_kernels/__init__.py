@@ -3,7 +3,9 @@
     affine_qmm(x, w, scales, biases, group_size=64, bits=4, *, stream=None) -> mx.array
     bf16_matmul(x, w, *, stream=None) -> mx.array
     f32_matmul(x, w, *, stream=None) -> mx.array
-    decode_attention(q, k, v, lengths, scale, *, stream=None) -> mx.array
+    decode_attention(q, k, v, pages, lengths, scale, *, stream=None) -> mx.array
+    rms_norm(x, weight, eps, *, stream=None) -> mx.array
+    rope(x, dims, traditional, base, scale, offsets, *, stream=None) -> mx.array
 
 They build lazy graph nodes evaluated on MLX's CPU stream. isa() / set_isa(name) report and
 force the instruction-set path; threads() / set_threads(n) the thread count.
@@ -24,10 +26,13 @@ affine_qmm = _ext.affine_qmm
 bf16_matmul = _ext.bf16_matmul
 f32_matmul = _ext.f32_matmul
 decode_attention = _ext.decode_attention
+rms_norm = _ext.rms_norm
+rope = _ext.rope
 isa = _ext.isa
 set_isa = _ext.set_isa
 has_isa = _ext.has_isa
 threads = _ext.threads
 set_threads = _ext.set_threads
 
-__all__ = ["affine_qmm", "bf16_matmul", "decode_attention", "f32_matmul", "has_isa", "isa", "set_isa", "set_threads", "threads"]
+__all__ = ["affine_qmm", "bf16_matmul", "decode_attention", "f32_matmul", "has_isa", "isa", "rms_norm", "rope", "set_isa",
+           "set_threads", "threads"]

@@ -13,7 +13,7 @@ namespace nb = nanobind;
 using namespace nb::literals;
 
 NB_MODULE(_ext, m) {
-  m.doc() = "Quantized (affine), bfloat16 and float32 matmul kernels and decode attention for MLX on the CPU";
+  m.doc() = "Quantized (affine), bfloat16 and float32 matmul kernels, decode attention, RMS norm and RoPE for MLX on the CPU";
   m.attr("mlx_version") = MAS_MLX_VERSION;
 
   m.def("affine_qmm", &mas::affine_qmm, "x"_a, "w"_a, "scales"_a, "biases"_a,
@@ -34,6 +34,15 @@ NB_MODULE(_ext, m) {
         "dim], k and v [kv_heads, pool pages, page, dim] (float32), pages int32 [rows, "
         "max_pages], lengths int32 [rows]: row b attends to its tokens 0 .. lengths[b]-1, token "
         "t at k[:, pages[b, t // page], t % page]. -> [rows, heads, 1, dim].");
+  m.def("rms_norm", &mas::rms_norm, "x"_a, "weight"_a, "eps"_a, nb::kw_only(),
+        "stream"_a = nb::none(),
+        "weight * x / sqrt(mean(x^2) + eps) over the last axis, float32: mx.fast.rms_norm as "
+        "one graph node on the CPU.");
+  m.def("rope", &mas::rope, "x"_a, "dims"_a, "traditional"_a, "base"_a, "scale"_a, "offsets"_a,
+        nb::kw_only(), "stream"_a = nb::none(),
+        "Rotary position embedding of x [batch, heads, tokens, dim] float32, token t of row b "
+        "at position offsets[b] + t (offsets int32 [1] or [batch]): mx.fast.rope as one graph "
+        "node on the CPU.");
   m.def("isa", [] { return std::string(mas::isa_name(mas::current_isa())); },
         "The kernel path in use: 'avx512', 'avx2' or 'scalar'.");
   m.def(

@@ -71,6 +71,14 @@ void strided_copy(const char* src, char* dst, const mx::Shape& shape, const mx::
   }
 }
 
+ScaleType scale_type(mx::Dtype t) {
+  if (t == mx::float32) return ScaleType::f32;
+  if (t == mx::float16) return ScaleType::f16;
+  return ScaleType::bf16;
+}
+
+}  // namespace
+
 // `a` itself when row-contiguous, else a row-major copy made on the stream (in order, before
 // the kernel that reads it) and kept alive by the encoder until that kernel has run.
 mx::array row_contiguous(const mx::array& a, mx::cpu::CommandEncoder& enc) {
@@ -85,14 +93,6 @@ mx::array row_contiguous(const mx::array& a, mx::cpu::CommandEncoder& enc) {
   enc.add_temporary(c);
   return c;
 }
-
-ScaleType scale_type(mx::Dtype t) {
-  if (t == mx::float32) return ScaleType::f32;
-  if (t == mx::float16) return ScaleType::f16;
-  return ScaleType::bf16;
-}
-
-}  // namespace
 
 mx::array affine_qmm(const mx::array& x, const mx::array& w, const mx::array& scales,
                      const mx::array& biases, int group_size, int bits, mx::StreamOrDevice s) {

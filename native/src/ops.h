@@ -2,12 +2,17 @@
 #pragma once
 
 #include "mlx/array.h"
+#include "mlx/backend/cpu/encoder.h"
 #include "mlx/primitives.h"
 #include "mlx/utils.h"
 
 namespace mas {
 
 namespace mx = mlx::core;
+
+// `a` itself when row-contiguous, else a row-major copy made on the stream (in order, before
+// the kernel that reads it) and kept alive by the encoder until that kernel has run.
+mx::array row_contiguous(const mx::array& a, mlx::core::cpu::CommandEncoder& enc);
 
 // x [..., K] float32 @ dequantize(w, scales, biases).T -> [..., N] float32 (mlx affine mode).
 mx::array affine_qmm(const mx::array& x, const mx::array& w, const mx::array& scales,
@@ -65,6 +70,50 @@ class DenseMatmul : public mx::UnaryPrimitive {
   const char* name() const override { return "MasDenseMatmul"; }
   bool is_equivalent(const mx::Primitive& other) const override { return true; }
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override;
+};
+
+// weight * x / sqrt(mean(x^2) + eps) over the last axis; x and weight float32 (layer_ops.cpp).
+mx::array rms_norm(const mx::array& x, const mx::array& weight, float eps,
+                   mx::StreamOrDevice s = {});
+
+// Rotary position embedding of x [batch, heads, tokens, dim] float32: token t of row b at
+// position offsets[b] + t (offsets int32 [1] or [batch]), its first `dims` features rotated in
+// pairs (i, i + dims/2), or (2i, 2i + 1) when traditional, by position * scale / base^(2i/dims).
+mx::array rope(const mx::array& x, int dims, bool traditional, float base, float scale,
+               const mx::array& offsets, mx::StreamOrDevice s = {});
+
+class RmsNorm : public mx::UnaryPrimitive {
+ public:
+  RmsNorm(mx::Stream stream, float eps) : mx::UnaryPrimitive(stream), eps_(eps) {}
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+  const char* name() const override { return "MasRmsNorm"; }
+  bool is_equivalent(const mx::Primitive& other) const override;
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    return {inputs[0].shape()};
+  }
+
+ private:
+  float eps_;
+};
+
+class Rope : public mx::UnaryPrimitive {
+ public:
+  Rope(mx::Stream stream, int dims, bool traditional, float base, float scale)
+      : mx::UnaryPrimitive(stream), dims_(dims), traditional_(traditional), base_(base),
+        scale_(scale) {}
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+  const char* name() const override { return "MasRope"; }
+  bool is_equivalent(const mx::Primitive& other) const override;
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    return {inputs[0].shape()};
+  }
+
+ private:
+  int dims_;
+  bool traditional_;
+  float base_, scale_;
 };
 
 }  // namespace mas

@@ -7,6 +7,8 @@
 - skinny.py: decode-shaped matmuls as (W @ x.T).T (`runtime.skinny_matmul`, CPU only);
 - attention.py: the decode batch's attention through the compiled kernel (with
   `runtime.weights = "auto"` where the kernels are built, CPU only);
+- norm_rope.py: RMS norms and RoPEs as one graph node each through the compiled kernels (same
+  condition);
 - fastmath.py: the attention softmax and the SiLU in NumPy (`runtime.fast_math`, CPU only);
 - MLX's buffer cache limit (`runtime.buffer_cache_mib`, CPU only): big freed buffers are
   kept for reuse rather than returned to the OS and faulted in again;
@@ -43,6 +45,7 @@ class Installed:
     skinny_kernels: bool  # whether their few-row products take the compiled kernels
     fast_math_globals: int  # mlx-lm module globals pointed at fastmath's dispatchers
     decode_attention: bool  # whether the decode batch's attention takes the compiled kernel
+    norm_rope_modules: int  # RMS norm and RoPE modules switched to the compiled kernels
     buffer_cache_mib: int  # MLX's buffer cache limit set (0: MLX's default kept)
     head_modules: int  # LM head modules that can cut to the last position
 
@@ -60,7 +63,8 @@ class Installed:
 
 def install(model: nn.Module, runtime: RuntimeConfig, vocab_size: int) -> Installed:
     """Apply every patch the `[runtime]` config asks for to `model` (in place)."""
-    from actors.model_runner.cpu import attention, blas, fastmath, head, skinny, weights
+    from actors.model_runner.cpu import (attention, blas, fastmath, head, norm_rope, skinny,
+                                         weights)
 
     import mlx.core as mx
 
@@ -82,6 +86,7 @@ def install(model: nn.Module, runtime: RuntimeConfig, vocab_size: int) -> Instal
         skinny_kernels=kernels is not None,
         fast_math_globals=fast_math_globals,
         decode_attention=compiled is not None,
+        norm_rope_modules=norm_rope.apply(model, compiled) if compiled is not None else 0,
         buffer_cache_mib=cache_mib,
         head_modules=head.install(model, vocab_size),
     )

@@ -1,0 +1,62 @@
+"""RMS norm and RoPE as one graph node each (mas_kernels.rms_norm, mas_kernels.rope).
+
+On the CPU, MLX expands mx.fast.rms_norm and mx.fast.rope into their fallbacks: ~10 and ~20
+primitive ops each (casts, squares, sums, broadcasts, aranges, cos/sin, concatenations). A Qwen3
+decode step has 4 norms and 2 RoPEs per layer: ~650 of the ~1,450 nodes of qwen3-small's
+step, and the CPU stream pays a few microseconds per node whatever its size, so at batch 1 they
+cost more than the 4-bit weights take to read. The kernels compute the same formulas in one
+pass: the norm gives MLX's bits; RoPE's cos/sin are the C library's (both are within ~2e-5
+of a float64 reference at positions of hundreds, from the float32 angle; they differ by up to
+~3e-4 at positions of thousands with base 1e6).
+
+apply() switches exact nn.RMSNorm and nn.RoPE modules to subclasses that take the kernels for
+float32 inputs (a bf16 model keeps MLX's path, and with it mlx-lm's exact arithmetic);
+subclasses of them (mlx-lm's own RoPE variants with frequency tables) are left alone.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+# The compiled kernels module, once apply() was given it.
+_kernels: Any = None
+
+
+class KernelRMSNorm(nn.RMSNorm):
+    def __call__(self, x: mx.array) -> mx.array:
+        weight = self["weight"]
+        if x.dtype != mx.float32 or weight.dtype != mx.float32:
+            return super().__call__(x)
+        return _kernels.rms_norm(x, weight, self.eps)
+
+
+class KernelRoPE(nn.RoPE):
+    def __call__(self, x: mx.array, offset: int | mx.array = 0) -> mx.array:
+        if x.dtype != mx.float32 or x.ndim != 4:
+            return super().__call__(x, offset)
+        if isinstance(offset, mx.array):
+            offsets = offset.reshape(-1)
+            offsets = offsets if offsets.dtype == mx.int32 else offsets.astype(mx.int32)
+        else:
+            offsets = mx.array([offset], dtype=mx.int32)
+        return _kernels.rope(x, self.dims, self.traditional, self.base, self.scale, offsets)
+
+
+_SWAPS = {nn.RMSNorm: KernelRMSNorm, nn.RoPE: KernelRoPE}
+
+
+def apply(model: nn.Module, kernels: Any) -> int:
+    """Switch the model's RMS norms and RoPEs to the kernels. Returns how many modules were
+    switched; a second call switches none."""
+    global _kernels
+    _kernels = kernels
+    changed = 0
+    for _, module in model.named_modules():
+        swap = _SWAPS.get(type(module))
+        if swap is not None:
+            module.__class__ = swap
+            changed += 1
+    return changed
