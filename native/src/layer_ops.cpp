@@ -7,7 +7,6 @@
 // Float32 only (a bf16 model keeps MLX's path, and with it mlx-lm's exact arithmetic); baseline
 // code, single-threaded: at decode sizes a pass is a few microseconds.
 #include <cmath>
-#include <sstream>
 #include <stdexcept>
 
 #include "mlx/allocator.h"
@@ -15,26 +14,6 @@
 #include "ops.h"
 
 namespace mas {
-namespace {
-
-std::string dims_of(const mx::Shape& s) {
-  std::ostringstream os;
-  os << "(";
-  for (size_t i = 0; i < s.size(); ++i) os << (i ? ", " : "") << s[i];
-  os << ")";
-  return os.str();
-}
-
-mx::Stream cpu_only(mx::StreamOrDevice s, const char* op) {
-  mx::Stream stream = mx::to_stream(s);
-  if (stream.device != mx::Device::cpu) {
-    throw std::invalid_argument(std::string("mas_kernels.") + op +
-                                " runs on the CPU only: use mx.fast's on the GPU");
-  }
-  return stream;
-}
-
-}  // namespace
 
 mx::array rms_norm(const mx::array& x, const mx::array& weight, float eps, mx::StreamOrDevice s) {
   if (x.dtype() != mx::float32 || weight.dtype() != mx::float32) {
@@ -43,9 +22,9 @@ mx::array rms_norm(const mx::array& x, const mx::array& weight, float eps, mx::S
   if (x.ndim() < 1 || weight.ndim() != 1 || weight.shape(0) != x.shape(-1)) {
     throw std::invalid_argument("rms_norm: weight must be [" +
                                 std::to_string(x.ndim() ? x.shape(-1) : 0) + "], got x " +
-                                dims_of(x.shape()) + " and weight " + dims_of(weight.shape()));
+                                shape_str(x.shape()) + " and weight " + shape_str(weight.shape()));
   }
-  mx::Stream stream = cpu_only(s, "rms_norm");
+  mx::Stream stream = cpu_stream(s, "rms_norm");
   return mx::array(x.shape(), mx::float32, std::make_shared<RmsNorm>(stream, eps),
                    {x, weight});
 }
@@ -84,7 +63,7 @@ mx::array rope(const mx::array& x, int dims, bool traditional, float base, float
   if (x.dtype() != mx::float32) throw std::invalid_argument("rope: x must be float32");
   if (x.ndim() != 4) {
     throw std::invalid_argument("rope: x must be [batch, heads, tokens, dim], got " +
-                                dims_of(x.shape()));
+                                shape_str(x.shape()));
   }
   if (dims <= 0 || dims % 2 != 0 || dims > x.shape(3)) {
     throw std::invalid_argument("rope: dims must be even, positive and at most " +
@@ -94,9 +73,9 @@ mx::array rope(const mx::array& x, int dims, bool traditional, float base, float
       (offsets.shape(0) != 1 && offsets.shape(0) != x.shape(0))) {
     throw std::invalid_argument("rope: offsets must be int32 [1] or [batch] = [" +
                                 std::to_string(x.shape(0)) + "], got " +
-                                dims_of(offsets.shape()));
+                                shape_str(offsets.shape()));
   }
-  mx::Stream stream = cpu_only(s, "rope");
+  mx::Stream stream = cpu_stream(s, "rope");
   return mx::array(x.shape(), mx::float32,
                    std::make_shared<Rope>(stream, dims, traditional, base, scale),
                    {x, offsets});

@@ -14,24 +14,6 @@
 namespace mas {
 namespace {
 
-std::string shape_str(const mx::Shape& s) {
-  std::ostringstream os;
-  os << "(";
-  for (size_t i = 0; i < s.size(); ++i) os << (i ? ", " : "") << s[i];
-  os << (s.size() == 1 ? ",)" : ")");
-  return os.str();
-}
-
-mx::Stream cpu_stream(mx::StreamOrDevice s, const char* op) {
-  mx::Stream stream = mx::to_stream(s);
-  if (stream.device != mx::Device::cpu) {
-    throw std::invalid_argument(std::string("mas_kernels.") + op +
-                                " runs on the CPU only: pass stream=mx.cpu (or use MLX's own "
-                                "kernel on the GPU)");
-  }
-  return stream;
-}
-
 mx::Shape out_shape(const mx::array& x, const mx::array& w) {
   mx::Shape shape = x.shape();
   shape.back() = w.shape(0);
@@ -78,6 +60,24 @@ ScaleType scale_type(mx::Dtype t) {
 }
 
 }  // namespace
+
+std::string shape_str(const mx::Shape& s) {
+  std::ostringstream os;
+  os << "(";
+  for (size_t i = 0; i < s.size(); ++i) os << (i ? ", " : "") << s[i];
+  os << (s.size() == 1 ? ",)" : ")");
+  return os.str();
+}
+
+mx::Stream cpu_stream(mx::StreamOrDevice s, const char* op) {
+  mx::Stream stream = mx::to_stream(s);
+  if (stream.device != mx::Device::cpu) {
+    throw std::invalid_argument(std::string("mas_kernels.") + op +
+                                " runs on the CPU only: pass stream=mx.cpu (or use MLX's own "
+                                "kernel on the GPU)");
+  }
+  return stream;
+}
 
 // `a` itself when row-contiguous, else a row-major copy made on the stream (in order, before
 // the kernel that reads it) and kept alive by the encoder until that kernel has run.

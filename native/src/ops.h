@@ -10,6 +10,11 @@ namespace mas {
 
 namespace mx = mlx::core;
 
+// Glue the ops share (ops.cpp): a shape as "(2, 3)", for messages; the stream, refused unless
+// it is the CPU's (`op` names the function in the message).
+std::string shape_str(const mx::Shape& s);
+mx::Stream cpu_stream(mx::StreamOrDevice s, const char* op);
+
 // `a` itself when row-contiguous, else a row-major copy made on the stream (in order, before
 // the kernel that reads it) and kept alive by the encoder until that kernel has run.
 mx::array row_contiguous(const mx::array& a, mlx::core::cpu::CommandEncoder& enc);
