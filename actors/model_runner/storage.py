@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 import mlx.core as mx
+import numpy as np
 
 from actors.model_runner.decode_batch import row_tokens
 from actors.model_runner.layers import Layers
@@ -22,45 +23,67 @@ from protocol import messages as m
 from protocol.codec import unpack_ids
 
 
+SEGMENT = 4096  # KV slots per segment of the pool
+
+
 class KvPool:
-    """Per full-attention layer, K and V of one token per slot: [slots, kv_heads, head_dim]. Grows
-    by doubling up to the scheduler's capacity: slot ids are handed out low first."""
+    """Per full-attention layer, K and V of one token per slot, in segments of SEGMENT slots
+    ([SEGMENT, kv_heads, head_dim] each), allocated as the scheduler's slot ids reach them
+    (low ids first) up to its capacity. Segments, not one array that doubles: growing never
+    copies what is held, and a step that saves a long prompt faults in at most the fresh
+    memory of the segments it opens (~10 us a page on this VM), not a doubled pool's (a 1.7 s
+    step at 16,384 -> 32,768 slots of qwen3-small)."""
 
     def __init__(self, layers: list[int], capacity: int):
         self.layers, self.capacity = layers, capacity
-        self.keys: dict[int, mx.array] = {}
-        self.values: dict[int, mx.array] = {}
+        self.keys: dict[int, list[mx.array]] = {}
+        self.values: dict[int, list[mx.array]] = {}
 
-    def _grow(self, need: int, like_k: mx.array, like_v: mx.array, layer: int) -> None:
-        size = max(self.keys[layer].shape[0] if layer in self.keys else 0, 256)
-        while size < need:
-            size *= 2
-        size = min(size, self.capacity)
-        if need > size:
-            raise ValueError(f"KV slot {need - 1} is beyond the pool's capacity {self.capacity}")
+    def _open(self, layer: int, segments: int, like_k: mx.array, like_v: mx.array) -> None:
         for store, like in ((self.keys, like_k), (self.values, like_v)):
-            old = store.get(layer)
-            shape = (size, *like.shape[1:])
-            grown = mx.zeros(shape, dtype=like.dtype)
-            if old is not None and old.shape[0]:
-                grown[: old.shape[0]] = old
-            store[layer] = grown
+            held = store.setdefault(layer, [])
+            while len(held) < segments:
+                held.append(mx.zeros((SEGMENT, *like.shape[1:]), dtype=like.dtype))
 
     def save(self, layer: int, slots: list[int], keys: mx.array, values: mx.array) -> None:
         """keys/values [tokens, kv_heads, head_dim] go to the given slots."""
-        need = max(slots) + 1
-        if layer not in self.keys or self.keys[layer].shape[0] < need:
-            self._grow(need, keys, values, layer)
-        index = mx.array(slots)
-        self.keys[layer][index] = keys
-        self.values[layer][index] = values
+        top = max(slots)
+        if top >= self.capacity:
+            raise ValueError(f"KV slot {top} is beyond the pool's capacity {self.capacity}")
+        self._open(layer, top // SEGMENT + 1, keys, values)
+        for seg, rows, at in _by_segment(slots):
+            for store, new in ((self.keys, keys), (self.values, values)):
+                store[layer][seg][at] = new if rows is None else new[mx.array(rows)]
 
     def all_arrays(self) -> list[mx.array]:
-        return [*self.keys.values(), *self.values.values()]
+        return [a for store in (self.keys, self.values) for held in store.values() for a in held]
 
     def load(self, layer: int, slots: list[int]) -> tuple[mx.array, mx.array]:
-        index = mx.array(slots)
-        return self.keys[layer][index], self.values[layer][index]
+        parts = _by_segment(slots)
+        out = []
+        for store in (self.keys, self.values):
+            got = [store[layer][seg][at] for seg, _, at in parts]
+            if len(got) == 1:
+                out.append(got[0])
+                continue
+            # Segment by segment, then back into the slots' order.
+            order = np.concatenate([rows for _, rows, _ in parts])
+            out.append(mx.concatenate(got)[mx.array(np.argsort(order, kind="stable"))])
+        return out[0], out[1]
+
+
+def _by_segment(slots: list[int]) -> list[tuple[int, np.ndarray | None, mx.array]]:
+    """(segment, positions in `slots`, offsets within the segment) per segment the slots touch;
+    positions None when every slot is in one segment."""
+    ids = np.asarray(slots, dtype=np.int64)
+    segs = ids // SEGMENT
+    if (segs == segs[0]).all():
+        return [(int(segs[0]), None, mx.array((ids % SEGMENT).astype(np.int32)))]
+    parts = []
+    for seg in np.unique(segs):
+        rows = np.flatnonzero(segs == seg)
+        parts.append((int(seg), rows, mx.array((ids[rows] % SEGMENT).astype(np.int32))))
+    return parts
 
 
 class StatePool:

@@ -32,7 +32,7 @@ from tqdm import tqdm
 
 from benchmarks.serving.load import PromptMaker, Target, closed_loop, one, pct, summarize
 from benchmarks.serving.report import write_markdown, write_plot
-from benchmarks.serving.servers import mlx_lm_server, ours
+from benchmarks.serving.servers import mlx_lm_server, ours, vllm_mlx_server
 from harness.graph import ROOT
 
 PREFIX_TOKENS, PREFIX_HITS, LONG_PROMPTS = 2000, 6, 2
@@ -155,6 +155,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--interference-streams", type=int, default=8)
     p.add_argument("--blas", default="auto", help="runtime.blas for every party")
     p.add_argument("--skip-mlx-lm", action="store_true", help="only this server and bare")
+    p.add_argument("--vllm-mlx", default="", metavar="PYTHON",
+                   help="also vllm-mlx, run by this interpreter (a venv with vllm-mlx)")
     p.add_argument("--set", action="append", default=[], help="launch --set for our server")
     p.add_argument("--out", default=str(ROOT / "docs" / "bench"))
     p.add_argument("--markdown", default=str(ROOT / "BENCHMARKS.md"))
@@ -181,6 +183,9 @@ def main(argv: list[str] | None = None) -> int:
     if not args.skip_mlx_lm:
         servers.append(("mlx_lm.server", lambda: mlx_lm_server(model_dir, args.blas,
                                                                info.eos_ids)))
+    if args.vllm_mlx:
+        servers.append(("vllm-mlx", lambda: vllm_mlx_server(args.vllm_mlx, model_dir,
+                                                            blas.find(args.blas), info.eos_ids)))
     print(f"bench: bare forward loop on {results['model']} ...", file=sys.stderr, flush=True)
     results["bare"] = bare_forward(model_dir, args)
     with tqdm(total=plan.requests * len(servers), unit="req", desc="bench") as bar:

@@ -1,6 +1,8 @@
 """The servers the benchmark compares, started one at a time on the same model directory:
-this graph (`launch`) and `mlx_lm.server`. Both run MLX with the same BLAS (runtime.blas), so
-the comparison is of the servers, not of their matmul libraries."""
+this graph (`launch`), `mlx_lm.server` and, where its venv is given, vllm-mlx (`vllm-mlx serve
+--continuous-batching`, in a venv of its own: `python -m venv V && V/bin/pip install vllm-mlx
+"mlx[cpu]"`). All run MLX with the same BLAS (runtime.blas), so the comparison is of the
+servers, not of their matmul libraries."""
 
 from __future__ import annotations
 
@@ -37,12 +39,42 @@ def ours(model_dir: str, blas: str, overrides: list[str] = ()) -> Iterator[Targe
         stop_graph(graph.proc)
 
 
+# vllm-mlx in its own venv's Python: the BLAS library (a path, or "" for MLX's own) loaded
+# first, as blas.load does (our package is not installed there), then its command line.
+_VLLM_MLX = ("import ctypes, os, sys; lib = sys.argv.pop(1)\n"
+             "if lib:\n"
+             "    os.environ.setdefault('MKL_THREADING_LAYER', 'INTEL')\n"
+             "    ctypes.CDLL(lib, mode=ctypes.RTLD_GLOBAL)\n"
+             "from vllm_mlx.cli import main; sys.argv[0] = 'vllm-mlx'; sys.exit(main())")
+
+
 @contextlib.contextmanager
 def mlx_lm_server(model_dir: str, blas: str, eos_ids: list[int],
                   timeout: float = 300) -> Iterator[Target]:
     port = _free_port()
     args = [sys.executable, "-c", _MLX_LM, blas, "--model", model_dir, "--host", "127.0.0.1",
             "--port", str(port), "--log-level", "WARNING"]
+    # It has no ignore_eos: a large negative bias on EOS gives the same fixed lengths.
+    with _serving("mlx_lm.server", args, port, timeout):
+        yield Target("mlx_lm.server", f"http://127.0.0.1:{port}/v1", "default_model",
+                     {"logit_bias": {str(t): -1e9 for t in eos_ids}})
+
+
+@contextlib.contextmanager
+def vllm_mlx_server(python: str, model_dir: str, blas_path: str | None, eos_ids: list[int],
+                    timeout: float = 300) -> Iterator[Target]:
+    """vllm-mlx with continuous batching, run by `python` (its venv's interpreter)."""
+    port = _free_port()
+    args = [python, "-c", _VLLM_MLX, blas_path or "", "serve", model_dir, "--host",
+            "127.0.0.1", "--port", str(port), "--continuous-batching"]
+    with _serving("vllm-mlx", args, port, timeout):
+        yield Target("vllm-mlx", f"http://127.0.0.1:{port}/v1", model_dir,
+                     {"logit_bias": {str(t): -1e9 for t in eos_ids}})
+
+
+@contextlib.contextmanager
+def _serving(name: str, args: list[str], port: int, timeout: float) -> Iterator[None]:
+    """Start a server process and wait until it answers /v1/models; stop it after."""
     # Its log goes to a file: a pipe nobody reads would fill and stall it.
     log = tempfile.TemporaryFile("w+")
     proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=log, text=True)
@@ -52,18 +84,16 @@ def mlx_lm_server(model_dir: str, blas: str, eos_ids: list[int],
         while True:
             if proc.poll() is not None:
                 log.seek(0)
-                raise RuntimeError(f"mlx_lm.server exited with {proc.returncode}: "
+                raise RuntimeError(f"{name} exited with {proc.returncode}: "
                                    f"{log.read()[-2000:]}")
             try:
                 with urllib.request.urlopen(url + "/v1/models", timeout=5):
                     break
             except OSError:
                 if time.monotonic() > deadline:
-                    raise RuntimeError("mlx_lm.server did not answer /v1/models") from None
+                    raise RuntimeError(f"{name} did not answer /v1/models") from None
                 time.sleep(0.5)
-        # It has no ignore_eos: a large negative bias on EOS gives the same fixed lengths.
-        yield Target("mlx_lm.server", url + "/v1", "default_model",
-                     {"logit_bias": {str(t): -1e9 for t in eos_ids}})
+        yield
     finally:
         stop_graph(proc)
         log.close()

@@ -44,3 +44,22 @@ def test_prompts_have_exactly_the_asked_length(model_cache):
         text = maker.make(n, seed)
         assert len(tokenizer.encode(text)) == n
     assert maker.make(64, 5) == maker.make(64, 5) != maker.make(64, 6)
+
+
+def test_targets_against_vllm_mlx_appear_only_when_it_ran():
+    from benchmarks.serving.report import OURS, PEER, targets
+
+    def server(rates: dict[int, float]) -> dict:
+        return {"sweep": [{"concurrency": c, "output_tok_s": v} for c, v in rates.items()],
+                "prefix": {"ratio": 0.05}}
+
+    results = {"servers": {OURS: server({1: 30.0, 16: 150.0})},
+               "bare": {"results": [{"batch": 1, "decode_tok_s": 30.0},
+                                    {"batch": 16, "decode_tok_s": 150.0}]}}
+    results["servers"][OURS]["sweep"][0]["decode_tok_s"] = 30.0
+    results["servers"][OURS]["sweep"][1]["decode_tok_s"] = 150.0
+    assert not any("vllm-mlx" in name for name, _, _ in targets(results))
+    results["servers"][PEER] = server({1: 25.0, 16: 100.0})
+    rows = {name: (value, met) for name, value, met in targets(results) if "vllm-mlx" in name}
+    assert rows == {"throughput >= 1.1 x vllm-mlx at concurrency 1": ("1.20 x", True),
+                    "throughput >= 2.0 x vllm-mlx at concurrency 16": ("1.50 x", False)}
