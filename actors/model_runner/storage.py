@@ -45,45 +45,53 @@ class KvPool:
             while len(held) < segments:
                 held.append(mx.zeros((SEGMENT, *like.shape[1:]), dtype=like.dtype))
 
-    def save(self, layer: int, slots: list[int], keys: mx.array, values: mx.array) -> None:
-        """keys/values [tokens, kv_heads, head_dim] go to the given slots."""
+    def locate(self, slots: list[int]) -> Located:
+        """Where the slots are, worked out once for an op on every layer. ValueError for a slot
+        past the capacity."""
         top = max(slots)
         if top >= self.capacity:
             raise ValueError(f"KV slot {top} is beyond the pool's capacity {self.capacity}")
-        self._open(layer, top // SEGMENT + 1, keys, values)
-        for seg, rows, at in _by_segment(slots):
+        return Located(slots)
+
+    def save(self, layer: int, where: Located, keys: mx.array, values: mx.array) -> None:
+        """keys/values [tokens, kv_heads, head_dim] go to the located slots."""
+        self._open(layer, where.segments, keys, values)
+        for seg, rows, at in where.parts:
             for store, new in ((self.keys, keys), (self.values, values)):
-                store[layer][seg][at] = new if rows is None else new[mx.array(rows)]
+                store[layer][seg][at] = new if rows is None else new[rows]
 
     def all_arrays(self) -> list[mx.array]:
         return [a for store in (self.keys, self.values) for held in store.values() for a in held]
 
-    def load(self, layer: int, slots: list[int]) -> tuple[mx.array, mx.array]:
-        parts = _by_segment(slots)
+    def load(self, layer: int, where: Located) -> tuple[mx.array, mx.array]:
         out = []
         for store in (self.keys, self.values):
-            got = [store[layer][seg][at] for seg, _, at in parts]
-            if len(got) == 1:
-                out.append(got[0])
-                continue
+            got = [store[layer][seg][at] for seg, _, at in where.parts]
             # Segment by segment, then back into the slots' order.
-            order = np.concatenate([rows for _, rows, _ in parts])
-            out.append(mx.concatenate(got)[mx.array(np.argsort(order, kind="stable"))])
+            out.append(got[0] if len(got) == 1 else mx.concatenate(got)[where.order])
         return out[0], out[1]
 
 
-def _by_segment(slots: list[int]) -> list[tuple[int, np.ndarray | None, mx.array]]:
-    """(segment, positions in `slots`, offsets within the segment) per segment the slots touch;
-    positions None when every slot is in one segment."""
-    ids = np.asarray(slots, dtype=np.int64)
-    segs = ids // SEGMENT
-    if (segs == segs[0]).all():
-        return [(int(segs[0]), None, mx.array((ids % SEGMENT).astype(np.int32)))]
-    parts = []
-    for seg in np.unique(segs):
-        rows = np.flatnonzero(segs == seg)
-        parts.append((int(seg), rows, mx.array((ids[rows] % SEGMENT).astype(np.int32))))
-    return parts
+class Located:
+    """Slots by segment: per segment they touch, (segment, their positions in the list, their
+    offsets in it); positions None when one segment holds them all. `order` puts what is
+    read segment by segment back into the list's order."""
+
+    def __init__(self, slots: list[int]):
+        ids = np.asarray(slots, dtype=np.int64)
+        segs = ids // SEGMENT
+        self.segments = int(segs.max()) + 1
+        self.order: mx.array | None = None
+        if (segs == segs[0]).all():
+            self.parts = [(int(segs[0]), None, mx.array((ids % SEGMENT).astype(np.int32)))]
+            return
+        self.parts, read = [], []
+        for seg in np.unique(segs):
+            rows = np.flatnonzero(segs == seg)
+            read.append(rows)
+            self.parts.append((int(seg), mx.array(rows.astype(np.int32)),
+                               mx.array((ids[rows] % SEGMENT).astype(np.int32))))
+        self.order = mx.array(np.argsort(np.concatenate(read), kind="stable").astype(np.int32))
 
 
 class StatePool:
@@ -164,9 +172,10 @@ class Pools:
         pool = self._need(self.kv, "KV")
         caches, index = rows.kv_of(row)
         end = start + len(slots)
+        where = pool.locate(slots)
         for layer in self.layers.full:
             keys, values = row_tokens(caches[layer], index, start, end)
-            pool.save(layer, slots, keys, values)
+            pool.save(layer, where, keys, values)
 
     def restore(self, cache: list[Any], kv_slots: list[int], state_slot: int | None) -> None:
         """Fill a new prompt's fresh caches: the cached prefix's KV from the KV slots (if the
@@ -174,8 +183,9 @@ class Pools:
         or copied by this step's ops)."""
         if kv_slots:
             pool = self._need(self.kv, "KV")
+            where = pool.locate(kv_slots)
             for layer in self.layers.full:
-                keys, values = pool.load(layer, kv_slots)
+                keys, values = pool.load(layer, where)
                 c = cache[layer]
                 c.keys = keys.transpose(1, 0, 2)[None]
                 c.values = values.transpose(1, 0, 2)[None]
