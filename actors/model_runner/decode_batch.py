@@ -208,13 +208,11 @@ class BatchedKV:
     def tokens(self, at: int, start: int, end: int) -> tuple[mx.array, mx.array]:
         """Position `at`'s K and V at tokens [start, end): [end - start, kv_heads, dim]."""
         first, pages = start // PAGE, self.positions.pages[at]
-        index = mx.array(pages[first:-(-end // PAGE)])
-        out = []
-        for pool in (self.keys, self.values):
-            got = pool[:, index]  # [kv_heads, pages, PAGE, dim]
-            got = got.reshape(pool.shape[0], -1, pool.shape[3]).transpose(1, 0, 2)
-            out.append(got[start - first * PAGE:end - first * PAGE])
-        return out[0], out[1]
+        table = mx.array([pages[first:-(-end // PAGE)]])
+        begin = start - first * PAGE
+        k, v = (self.gather(pool, table)[0].transpose(1, 0, 2)[begin:begin + end - start]
+                for pool in (self.keys, self.values))
+        return k, v
 
 
 def row_tokens(cache: Any, index: int, start: int, end: int) -> tuple[mx.array, mx.array]:

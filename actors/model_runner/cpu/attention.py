@@ -5,9 +5,9 @@ MLX's CPU attention for the decode batch reads every row up to the batch's longe
 buffers, and with fast math on it leaves the graph for a NumPy softmax in every layer. After a
 2,000-token prompt joined 9 rows of ~200 tokens, their decode step went from ~40 to 80-130 ms
 (qwen3-small; 54-63 ms with the kernel). The kernel reads each row's own length straight from
-the batch's page pool through its page table (decode_batch.BatchedKV): 2.6-2.8x
-MLX's attention at 1 row, 4.0x at 16 rows of 256 or 2,000 tokens, 14.7 GB/s
-(`python -m benchmarks.kernels.attention`), and no host sync.
+the batch's page pool through its page table (decode_batch.BatchedKV): 2.5x MLX's attention
+(on rows already laid out contiguously) at 1 row of 2,000 tokens, 3.3-3.6x at 16 rows of 256
+or 2,000, 16 GB/s (`python -m benchmarks.kernels.attention`), and no host sync.
 
 mlx-lm's model modules call `scaled_dot_product_attention` through their module globals.
 install() points them at `attention`, which takes the kernel for a float32 BatchedKV layer on

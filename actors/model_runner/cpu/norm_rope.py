@@ -37,11 +37,11 @@ class KernelRoPE(nn.RoPE):
     def __call__(self, x: mx.array, offset: int | mx.array = 0) -> mx.array:
         if x.dtype != mx.float32 or x.ndim != 4:
             return super().__call__(x, offset)
-        if isinstance(offset, mx.array):
-            offsets = offset.reshape(-1)
-            offsets = offsets if offsets.dtype == mx.int32 else offsets.astype(mx.int32)
-        else:
+        if not isinstance(offset, mx.array):
             offsets = mx.array([offset], dtype=mx.int32)
+        else:  # the decode batch's offsets are int32 [n] already: no node added for them
+            offsets = offset if offset.ndim == 1 else offset.reshape(-1)
+            offsets = offsets if offsets.dtype == mx.int32 else offsets.astype(mx.int32)
         return _kernels.rope(x, self.dims, self.traditional, self.base, self.scale, offsets)
 
 
