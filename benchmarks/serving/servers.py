@@ -39,12 +39,11 @@ def ours(model_dir: str, blas: str, overrides: list[str] = ()) -> Iterator[Targe
         stop_graph(graph.proc)
 
 
-# vllm-mlx in its own venv's Python: the BLAS library (a path, or "" for MLX's own) loaded
-# first, as blas.load does (our package is not installed there), then its command line.
-_VLLM_MLX = ("import ctypes, os, sys; lib = sys.argv.pop(1)\n"
-             "if lib:\n"
-             "    os.environ.setdefault('MKL_THREADING_LAYER', 'INTEL')\n"
-             "    ctypes.CDLL(lib, mode=ctypes.RTLD_GLOBAL)\n"
+# vllm-mlx in its own venv's Python: our BLAS found here (its venv has no MKL), its path
+# loaded there first by blas.load_library (stdlib only, importable from the repository root,
+# its working directory), then its command line.
+_VLLM_MLX = ("import sys; from actors.model_runner.cpu import blas; "
+             "blas.load_library(sys.argv.pop(1) or None); "
              "from vllm_mlx.cli import main; sys.argv[0] = 'vllm-mlx'; sys.exit(main())")
 
 

@@ -61,15 +61,21 @@ def load(choice: str) -> str:
         return _loaded
     if "mlx.core" in sys.modules:
         raise RuntimeError("blas.load() must run before mlx is imported")
-    path = find(choice)
+    _loaded = load_library(find(choice))
+    return _loaded
+
+
+def load_library(path: str | None) -> str:
+    """Load the BLAS at `path` (None: keep MLX's own) into this process, before MLX; returns
+    what is in use. load() without the choosing, for a process that was given the path (a
+    benchmark peer in a venv of its own)."""
     if path is not None and "libmkl" in path:
         # One MKL thread per core by default; GNU OpenMP would clash with none of ours, but
         # Intel's is what the wheel ships (intel-openmp).
         os.environ.setdefault("MKL_THREADING_LAYER", "INTEL")
     if path is not None:
         ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
-    _loaded = path or "bundled"
-    return _loaded
+    return path or "bundled"
 
 
 def in_use() -> str:
