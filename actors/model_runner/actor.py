@@ -8,7 +8,6 @@ import asyncio
 import queue
 import threading
 import time
-from dataclasses import asdict
 
 import mlx.core as mx
 
@@ -134,7 +133,7 @@ async def serve(shell: Shell) -> None:
     await mlx.loaded
     # What the CPU patches did (cpu/__init__.py): the BLAS in use, the flags, the counts.
     installed = mlx.runner.cpu
-    shell.log.info("runner.blas", **{k: v for k, v in asdict(installed).items() if k != "weights"})
+    shell.log.info("runner.blas", **installed.log_fields())
     shell.log.info("runner.weights", **installed.weights.log_fields())
     if installed.weights.missing:
         shell.log.warning("runner.kernels_missing", reason=installed.weights.missing,

@@ -14,6 +14,7 @@ pipeline.py. Sampling: sampling.py. CPU patches: cpu/.
 from __future__ import annotations
 
 import time
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,7 +23,7 @@ import mlx.nn as nn
 from mlx_lm.models.cache import make_prompt_cache
 
 from actors.model_runner import cpu
-from actors.model_runner.cpu import head
+from actors.model_runner.cpu import greedy_head, head
 from actors.model_runner.layers import Layers, classify
 from actors.model_runner.pipeline import before_host_sync
 from actors.model_runner.rows import Rows, StepError
@@ -182,13 +183,32 @@ class ModelRunner:
     def _decode(self, joining: dict[int, int]) -> Pending:
         rows, batch = self.rows.decode_rows, self.rows.decode
         inputs = self.rows.resolve_futures(joining)
-        logits = self.model(inputs, cache=batch.caches)[:, -1, :]
+        with self._head(rows) as head_out:
+            out = self.model(inputs, cache=batch.caches)
         batch.advance()
         live = batch.live_index()  # None: no hole or parked row ran beside them
-        if live is not None:
-            logits = logits[live]
         self._write_states(rows, batch.caches, live)
-        return self.sampler.launch(rows, logits)
+        return self._sample(rows, out, head_out, live)
+
+    def _head(self, rows: list[int]) -> AbstractContextManager[greedy_head.Captured | None]:
+        """Where every row is plain greedy and the greedy head stands in for the model's LM
+        head (cpu/greedy_head.py), the forward's head only hands over its input."""
+        if self.cpu.greedy is not None and self.sampler.plain_greedy(rows):
+            return greedy_head.capture()
+        return nullcontext()
+
+    def _sample(self, rows: list[int], out: mx.array, got: greedy_head.Captured | None,
+                live: mx.array | None = None) -> Pending:
+        """The rows' samples from a forward's output (its last position); `live` picks the
+        rows that sample out of the batch."""
+        if got is not None:
+            if out is not got.placeholder:  # install() probed this; a model changed since
+                raise StepError("the model's output is not its LM head's (greedy head)")
+            x = got.hidden[:, -1, :]
+            return self.sampler.launch_tokens(rows, self.cpu.greedy.tokens(
+                x if live is None else x[live]))
+        logits = out[:, -1, :]
+        return self.sampler.launch(rows, logits if live is None else logits[live])
 
     def _prefill(self, row: int, ids: list[int], start: int, sample: bool,
                  joining: dict[int, int], done: list[tuple[int, list[Any]]]) -> Pending | None:
@@ -210,11 +230,11 @@ class ModelRunner:
         self.rows.end_prompt(row)
         # An empty cache (a one-token prompt, nothing cached) cannot join a batch either.
         if not self.rows.decode_rows or (start == 0 and len(ids) == 1):
-            with head.last_only():
-                logits = self.model(mx.array(ids)[None], cache=cache)
+            with head.last_only(), self._head([row]) as head_out:
+                out = self.model(mx.array(ids)[None], cache=cache)
             self._write_states([row], cache)
             done.append((row, cache))  # joins the batch after this step's decode forward
-            return self.sampler.launch([row], logits[:, -1, :])
+            return self._sample([row], out, head_out)
         if len(ids) > 1:
             self.model(mx.array(ids[:-1])[None], cache=cache)  # logits never evaluated
         self.rows.join_decode(row, cache)

@@ -172,15 +172,38 @@ class Sampler:
     def launch(self, rows: list[int], logits: mx.array) -> Pending:
         """sample() without reading the values back. The rows' histories advance now, so
         the next launch for them may come before this one is resolved."""
-        idx = np.asarray(rows, np.int64)
+        idx = self._admitted(rows)
         if logits.shape != (len(rows), self.vocab):
             raise ValueError(f"logits {logits.shape} for {len(rows)} rows x {self.vocab}")
-        if not self.live[idx].all():
-            raise KeyError(f"rows {[r for r in rows if not self.live[r]]} were not admitted")
-        if self.plain[idx].all() and (self.generated[idx] >= self.mask_until[idx]).all():
+        if self.plain_greedy(rows):
             self.generated[idx] += 1  # plain greedy: one argmax, no copies
             return Pending(mx.argmax(logits, axis=-1).astype(mx.int32))
         return self._sample_full(rows, idx, logits)
+
+    def plain_greedy(self, rows: list[int]) -> bool:
+        """Whether every row's next token is the argmax of the raw logits (greedy, no
+        penalty, bias, logprobs or masked stop ids): then the logits themselves are not
+        needed, only their argmax."""
+        idx = np.asarray(rows, np.int64)
+        return bool(self.live[idx].all() and self.plain[idx].all()
+                    and (self.generated[idx] >= self.mask_until[idx]).all())
+
+    def launch_tokens(self, rows: list[int], tokens: mx.array) -> Pending:
+        """The rows' argmax tokens (int32 [len(rows)]) found without their logits, for rows
+        that are plain_greedy(); their histories advance as in launch()."""
+        idx = self._admitted(rows)
+        if not self.plain_greedy(rows):
+            raise ValueError(f"rows {rows} are not all plain greedy")
+        if tokens.shape != (len(rows),):
+            raise ValueError(f"tokens {tokens.shape} for {len(rows)} rows")
+        self.generated[idx] += 1
+        return Pending(tokens.astype(mx.int32))
+
+    def _admitted(self, rows: list[int]) -> np.ndarray:
+        idx = np.asarray(rows, np.int64)
+        if not self.live[idx].all():
+            raise KeyError(f"rows {[r for r in rows if not self.live[r]]} were not admitted")
+        return idx
 
     def process(self, rows: list[int], logits: mx.array) -> mx.array:
         """Steps 1-3 of the module docstring from the rows' current history: float32 logits

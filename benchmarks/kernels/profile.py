@@ -110,6 +110,16 @@ def profile(model, installed, batch: int, context: int, repeat: int,
     head, head_module = head_of(model)
     x = mx.random.normal((batch, 1, model.args.hidden_size))
     parts["LM head"] = median_ms(lambda: head(x), repeat)
+    if installed.greedy is not None:  # what the runner's plain greedy steps run instead
+        from actors.model_runner.cpu import greedy_head
+
+        def greedy_step():
+            with installed.steps(), greedy_head.capture() as got:
+                model(decode.inputs(token_buf), cache=decode.caches)
+            return installed.greedy.tokens(got.hidden[:, -1, :])
+
+        parts["step, greedy head"] = median_ms(greedy_step, repeat)
+        parts["greedy head"] = median_ms(lambda: installed.greedy.tokens(x[:, -1, :]), repeat)
     attn = [c for c in decode.caches if isinstance(c, BatchedKV)]
     if attn:
         kv, positions = attn[0], decode.positions
@@ -133,7 +143,8 @@ def profile(model, installed, batch: int, context: int, repeat: int,
         lambda: sampler.launch(list(range(1, batch + 1)), logits).arrays(), repeat)
     # The graph build overlaps the previous step in the runner; sampling follows the step.
     named = sum(v for k, v in parts.items()
-                if k not in ("step", "graph build (Python)", "sampling (greedy)"))
+                if k not in ("step", "graph build (Python)", "sampling (greedy)",
+                             "step, greedy head", "greedy head"))
     parts["rest"] = parts["step"] - named
     # One token's K or V in a layer: kv_heads x dim (the pool is [kv_heads, pages, page, dim]).
     kv_bytes = sum(batch * (context + 1) * c.keys.shape[0] * c.keys.shape[-1] * c.keys.itemsize

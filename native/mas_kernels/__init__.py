@@ -6,6 +6,7 @@
     decode_attention(q, k, v, pages, lengths, scale, *, stream=None) -> mx.array
     rms_norm(x, weight, eps, *, stream=None) -> mx.array
     rope(x, dims, traditional, base, scale, offsets, *, stream=None) -> mx.array
+    greedy_head(x, w, wq, stats, *, stream=None) -> mx.array
 
 They build lazy graph nodes evaluated on MLX's CPU stream. isa() / set_isa(name) report and
 force the instruction-set path; threads() / set_threads(n) the thread count.
@@ -28,11 +29,14 @@ f32_matmul = _ext.f32_matmul
 decode_attention = _ext.decode_attention
 rms_norm = _ext.rms_norm
 rope = _ext.rope
+greedy_head = _ext.greedy_head
+head_x_levels = _ext.head_x_levels
 isa = _ext.isa
 set_isa = _ext.set_isa
 has_isa = _ext.has_isa
 threads = _ext.threads
 set_threads = _ext.set_threads
 
-__all__ = ["affine_qmm", "bf16_matmul", "decode_attention", "f32_matmul", "has_isa", "isa", "rms_norm", "rope", "set_isa",
-           "set_threads", "threads"]
+__all__ = ["affine_qmm", "bf16_matmul", "decode_attention", "f32_matmul", "greedy_head",
+           "has_isa", "head_x_levels", "isa", "rms_norm", "rope", "set_isa", "set_threads",
+           "threads"]

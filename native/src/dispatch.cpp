@@ -105,4 +105,37 @@ void attention(const AttnArgs& a) {
   }
 }
 
+bool head_has_vnni() {
+#if MAS_X86
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512vnni");
+#else
+  return false;
+#endif
+}
+
+namespace {
+// The AVX-512 path's head needs VNNI too (vpdpbusd); without it, AVX2's.
+Isa head_path() {
+  const Isa isa = g_isa.load();
+  if (isa == Isa::avx512 && !head_has_vnni()) return Isa::avx2;
+  return isa;
+}
+}  // namespace
+
+int head_x_levels() { return head_path() == Isa::avx2 ? 63 : 127; }
+
+void head(const HeadArgs& a) {
+  switch (head_path()) {
+#if MAS_X86
+    case Isa::avx512:
+      return avx512::head(a);
+    case Isa::avx2:
+      return avx2::head(a);
+#endif
+    default:
+      return scalar::head(a);
+  }
+}
+
 }  // namespace mas

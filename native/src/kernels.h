@@ -58,23 +58,54 @@ struct AttnArgs {
   float scale;
 };
 
+// The greedy head's first pass (greedy_head.cpp): int8 dot products of x's and W's rows
+// with error bounds, keeping the vocabulary rows that can still be the argmax of x @ W.T.
+// Per (task, row of x) state: `lo`, the best lower bound seen so far (by any task: they
+// share it through `shared_lo`); the rows whose upper bound reached `lo` when they were seen
+// (a superset of those at or above the final maximum of the lower bounds). When kHeadCap
+// entries do not fit them, `overflow` is set and the caller scans the task's rows exactly.
+constexpr int kHeadCap = 64;
+struct HeadTask {
+  float lo;
+  int32_t count, overflow;
+  int32_t idx[kHeadCap];
+  float up[kHeadCap];
+};
+struct HeadArgs {
+  const int8_t* x;       // [M, Kp] x rows quantized: x ~ xscale[m] * x[m], zero past K
+  const uint8_t* w;      // [N, Kp] W rows quantized, + 128: W ~ wscale[n] * (w[n] - 128)
+  const float* wscale;   // [N]
+  const float* wnorm;    // [N] ||W[n]||_2
+  const float* werr;     // [N] ||W[n] - wscale[n] * (w[n] - 128)||_2
+  const int32_t* xoff;   // [M] 128 * sum of x[m]: the +128's share of a dot product
+  const float* xscale;   // [M]
+  const float* alpha;    // [M] with beta: a row's bound is alpha[m] wnorm[n] + beta[m] werr[n]
+  const float* beta;     // [M]
+  HeadTask* tasks;       // [ntasks, M], ntasks = ceil(N / rows_per_task)
+  uint32_t* shared_lo;   // [M] float32 bits: the best lower bound any task has seen
+  int64_t M, N, Kp, rows_per_task;  // Kp: a multiple of 64; rows_per_task: of 16
+};
+
 namespace scalar {
 void qmm(const QmmArgs& a);
 void bf16mm(const Bf16Args& a);
 void f32mm(const F32Args& a);
 void attention(const AttnArgs& a);
+void head(const HeadArgs& a);
 }  // namespace scalar
 namespace avx2 {
 void qmm(const QmmArgs& a);
 void bf16mm(const Bf16Args& a);
 void f32mm(const F32Args& a);
 void attention(const AttnArgs& a);
+void head(const HeadArgs& a);
 }  // namespace avx2
 namespace avx512 {
 void qmm(const QmmArgs& a);
 void bf16mm(const Bf16Args& a);
 void f32mm(const F32Args& a);
 void attention(const AttnArgs& a);
+void head(const HeadArgs& a);  // needs AVX-512 VNNI (head_has_vnni())
 }  // namespace avx512
 
 // dispatch.cpp: the path in use, chosen from the CPU at load time.
@@ -87,6 +118,11 @@ void qmm(const QmmArgs& a);
 void bf16mm(const Bf16Args& a);
 void f32mm(const F32Args& a);
 void attention(const AttnArgs& a);
+void head(const HeadArgs& a);
+// The levels x is quantized to for head() on the path in use: 127, or 63 where the int8
+// products go through vpmaddubsw (AVX2), whose 16-bit pair sums would saturate at 127.
+int head_x_levels();
+bool head_has_vnni();
 
 // threads.cpp: one job at a time over a small pool; the calling thread takes part.
 // Runs fn(ctx, t) for t in [0, ntasks), in any order, on up to num_threads() threads.

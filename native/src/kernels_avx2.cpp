@@ -198,5 +198,87 @@ struct F32 : Dense<float> {
 
 #include "entries.inc"
 #include "attention.inc"
+#include "head.inc"
+
+namespace {
+
+// res[i] = sum of the 8 lanes of acc[i], i < 8.
+inline void reduce8_epi32(const __m256i* acc, int32_t* res) {
+  const __m256i t0 = _mm256_hadd_epi32(acc[0], acc[1]), t1 = _mm256_hadd_epi32(acc[2], acc[3]);
+  const __m256i t2 = _mm256_hadd_epi32(acc[4], acc[5]), t3 = _mm256_hadd_epi32(acc[6], acc[7]);
+  const __m256i u0 = _mm256_hadd_epi32(t0, t1), u1 = _mm256_hadd_epi32(t2, t3);
+  // u0 = [sums of acc 0-3 over the low 128 bits | over the high 128 bits], u1 for acc 4-7.
+  const __m256i r = _mm256_add_epi32(_mm256_permute2x128_si256(u0, u1, 0x20),
+                                     _mm256_permute2x128_si256(u0, u1, 0x31));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(res), r);
+}
+
+// vpmaddubsw multiplies w's unsigned bytes by x's signed ones and adds pairs into int16 with
+// saturation: x is quantized to [-63, 63] on this path (head_x_levels), so 255 * 63 * 2 fits.
+// Register tiles of 4 rows of W x MR (<= 2) rows of x.
+template <int MR>
+void head_dots(const HeadArgs& a, const uint8_t* const* rows, int64_t m0, int32_t* dots) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  const int8_t* xr[MR];
+  for (int i = 0; i < MR; ++i) xr[i] = a.x + (m0 + i) * a.Kp;
+  for (int sub = 0; sub < kHeadTile / 4; ++sub) {
+    const uint8_t* w[4] = {rows[4 * sub], rows[4 * sub + 1], rows[4 * sub + 2],
+                           rows[4 * sub + 3]};
+    __m256i acc[8];
+    for (int j = 0; j < 8; ++j) acc[j] = _mm256_setzero_si256();
+    for (int64_t k = 0; k < a.Kp; k += 32) {
+      __m256i x[MR];
+      for (int i = 0; i < MR; ++i) {
+        x[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr[i] + k));
+      }
+      for (int r = 0; r < 4; ++r) {
+        const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[r] + k));
+        for (int i = 0; i < MR; ++i) {
+          acc[4 * i + r] = _mm256_add_epi32(
+              acc[4 * i + r], _mm256_madd_epi16(_mm256_maddubs_epi16(wv, x[i]), ones));
+        }
+      }
+    }
+    alignas(32) int32_t res[8];
+    // A copy: acc's address never escapes, so it can stay in registers through the k loop.
+    __m256i fin[8];
+    for (int j = 0; j < 8; ++j) fin[j] = acc[j];
+    reduce8_epi32(fin, res);
+    for (int i = 0; i < MR; ++i) {
+      for (int r = 0; r < 4; ++r) dots[i * kHeadTile + 4 * sub + r] = res[4 * i + r];
+    }
+  }
+}
+
+void head_task(void* ctx, int64_t task) {
+  const HeadArgs& a = *static_cast<const HeadArgs*>(ctx);
+  head_reset(a, task);
+  const int64_t begin = task * a.rows_per_task;
+  const int64_t end = begin + a.rows_per_task < a.N ? begin + a.rows_per_task : a.N;
+  alignas(32) int32_t dots[2 * kHeadTile];
+  for (int64_t n0 = begin; n0 < end; n0 += kHeadTile) {
+    const int64_t valid = end - n0 < kHeadTile ? end - n0 : kHeadTile;
+    const uint8_t* rows[kHeadTile];
+    for (int64_t j = 0; j < kHeadTile; ++j) rows[j] = a.w + (j < valid ? n0 + j : n0) * a.Kp;
+    for (int64_t m0 = 0; m0 < a.M; m0 += 2) {
+      const int64_t mr = a.M - m0 < 2 ? a.M - m0 : 2;
+      if (mr == 2) {
+        head_dots<2>(a, rows, m0, dots);
+      } else {
+        head_dots<1>(a, rows, m0, dots);
+      }
+      for (int64_t i = 0; i < mr; ++i) {
+        head_epilogue(a, a.tasks[task * a.M + m0 + i], m0 + i, n0, dots + i * kHeadTile, valid);
+      }
+    }
+  }
+}
+
+}  // namespace
+
+void head(const HeadArgs& a) {
+  parallel_for((a.N + a.rows_per_task - 1) / a.rows_per_task, head_task,
+               const_cast<HeadArgs*>(&a));
+}
 
 }  // namespace mas::avx2

@@ -222,5 +222,118 @@ struct F32 : Dense<float> {
 
 #include "entries.inc"
 #include "attention.inc"
+#include "head.inc"
+
+namespace {
+
+// res[i] = sum of the 16 lanes of acc[i]: reduce()'s transposing tree in integers.
+inline void reduce16_epi32(const __m512i* v, int32_t* res) {
+  __m512i t[8];
+  for (int i = 0; i < 8; ++i) {
+    t[i] = _mm512_add_epi32(_mm512_unpacklo_epi32(v[2 * i], v[2 * i + 1]),
+                            _mm512_unpackhi_epi32(v[2 * i], v[2 * i + 1]));
+  }
+  __m512i u[4];
+  for (int j = 0; j < 4; ++j) {
+    u[j] = _mm512_add_epi32(_mm512_unpacklo_epi64(t[2 * j], t[2 * j + 1]),
+                            _mm512_unpackhi_epi64(t[2 * j], t[2 * j + 1]));
+  }
+  const __m512i s01 =
+      _mm512_add_epi32(_mm512_shuffle_i32x4(u[0], u[1], _MM_SHUFFLE(1, 0, 1, 0)),
+                       _mm512_shuffle_i32x4(u[0], u[1], _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m512i s23 =
+      _mm512_add_epi32(_mm512_shuffle_i32x4(u[2], u[3], _MM_SHUFFLE(1, 0, 1, 0)),
+                       _mm512_shuffle_i32x4(u[2], u[3], _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m512i r =
+      _mm512_add_epi32(_mm512_shuffle_i32x4(s01, s23, _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_i32x4(s01, s23, _MM_SHUFFLE(3, 1, 3, 1)));
+  _mm512_storeu_si512(res, r);
+}
+
+// VNNI only here, written as inline assembly: the file's flags do not include VNNI (so the
+// compiler puts it nowhere else), and GCC 12 copies and spills the accumulators of the
+// intrinsic's tied operand. vpdpbusd adds four unsigned-by-signed byte products into each
+// int32 lane of acc, 64 per instruction.
+inline void dpbusd(__m512i& acc, __m512i u8, __m512i s8) {
+  asm("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(u8), "v"(s8));
+}
+
+// Register tiles of 4 rows of W x MR rows of x: 4 + MR loads per 4 * MR instructions. A
+// kHeadTile block of W (16 x Kp bytes, contiguous) stays in L1 while every row of x runs.
+// `next`: the next tile's rows (contiguous), prefetched while the first rows of x run, so the
+// memory stream overlaps the arithmetic of the rows of x that find this tile in L1.
+template <int MR>
+void head_dots(const HeadArgs& a, const uint8_t* const* rows, int64_t m0, int32_t* dots,
+               const uint8_t* next) {
+  const int8_t* xr[MR];
+  for (int i = 0; i < MR; ++i) xr[i] = a.x + (m0 + i) * a.Kp;
+  for (int sub = 0; sub < kHeadTile / 4; ++sub) {
+    const uint8_t* w0 = rows[4 * sub];
+    const uint8_t* w1 = rows[4 * sub + 1];
+    const uint8_t* w2 = rows[4 * sub + 2];
+    const uint8_t* w3 = rows[4 * sub + 3];
+    __m512i acc[16];
+    for (int j = 0; j < 16; ++j) acc[j] = _mm512_setzero_si512();
+    const uint8_t* pf = next == nullptr ? nullptr : next + 4 * sub * a.Kp;
+    for (int64_t k = 0; k < a.Kp; k += 64) {
+      if (pf != nullptr) {
+        for (int r = 0; r < 4; ++r) {
+          _mm_prefetch(reinterpret_cast<const char*>(pf + r * a.Kp + k), _MM_HINT_T0);
+        }
+      }
+      const __m512i v0 = _mm512_loadu_si512(w0 + k), v1 = _mm512_loadu_si512(w1 + k);
+      const __m512i v2 = _mm512_loadu_si512(w2 + k), v3 = _mm512_loadu_si512(w3 + k);
+      for (int i = 0; i < MR; ++i) {
+        const __m512i xv = _mm512_loadu_si512(xr[i] + k);
+        dpbusd(acc[4 * i], v0, xv);
+        dpbusd(acc[4 * i + 1], v1, xv);
+        dpbusd(acc[4 * i + 2], v2, xv);
+        dpbusd(acc[4 * i + 3], v3, xv);
+      }
+    }
+    alignas(64) int32_t res[16];
+    // A copy: acc's address never escapes, so it can stay in registers through the k loop.
+    __m512i fin[16];
+    for (int j = 0; j < 16; ++j) fin[j] = acc[j];
+    reduce16_epi32(fin, res);
+    for (int i = 0; i < MR; ++i) {
+      for (int r = 0; r < 4; ++r) dots[i * kHeadTile + 4 * sub + r] = res[4 * i + r];
+    }
+  }
+}
+
+void head_task(void* ctx, int64_t task) {
+  const HeadArgs& a = *static_cast<const HeadArgs*>(ctx);
+  head_reset(a, task);
+  const int64_t begin = task * a.rows_per_task;
+  const int64_t end = begin + a.rows_per_task < a.N ? begin + a.rows_per_task : a.N;
+  alignas(64) int32_t dots[4 * kHeadTile];
+  for (int64_t n0 = begin; n0 < end; n0 += kHeadTile) {
+    const int64_t valid = end - n0 < kHeadTile ? end - n0 : kHeadTile;
+    const uint8_t* rows[kHeadTile];
+    for (int64_t j = 0; j < kHeadTile; ++j) rows[j] = a.w + (j < valid ? n0 + j : n0) * a.Kp;
+    const uint8_t* next = n0 + 2 * kHeadTile <= end ? a.w + (n0 + kHeadTile) * a.Kp : nullptr;
+    for (int64_t m0 = 0; m0 < a.M; m0 += 4) {
+      const int64_t mr = a.M - m0 < 4 ? a.M - m0 : 4;
+      const uint8_t* pf = m0 == 0 && a.M > 4 ? next : nullptr;
+      switch (mr) {
+        case 4: head_dots<4>(a, rows, m0, dots, pf); break;
+        case 3: head_dots<3>(a, rows, m0, dots, pf); break;
+        case 2: head_dots<2>(a, rows, m0, dots, pf); break;
+        default: head_dots<1>(a, rows, m0, dots, pf); break;
+      }
+      for (int64_t i = 0; i < mr; ++i) {
+        head_epilogue(a, a.tasks[task * a.M + m0 + i], m0 + i, n0, dots + i * kHeadTile, valid);
+      }
+    }
+  }
+}
+
+}  // namespace
+
+void head(const HeadArgs& a) {
+  parallel_for((a.N + a.rows_per_task - 1) / a.rows_per_task, head_task,
+               const_cast<HeadArgs*>(&a));
+}
 
 }  // namespace mas::avx512

@@ -121,4 +121,24 @@ class Rope : public mx::UnaryPrimitive {
   float base_, scale_;
 };
 
+// The argmax over the vocabulary of x @ w.T, without computing x @ w.T (greedy_head.cpp):
+// x [M, K] float32, w [N, K] float32 or bfloat16 (the LM head's weight, exact), wq [N, Kp]
+// uint8 (w's rows quantized to int8, + 128, zero past K; Kp a multiple of 64), stats float32
+// [3, Np] (Np >= N a multiple of 16): per row of w its scale, ||w[n]||_2 and ||w[n] - scale
+// * (wq[n] - 128)||_2 (both rounded up), zero past N -> int32 [M], the lowest index on ties.
+mx::array greedy_head(const mx::array& x, const mx::array& w, const mx::array& wq,
+                      const mx::array& stats, mx::StreamOrDevice s = {});
+
+class GreedyHead : public mx::UnaryPrimitive {
+ public:
+  explicit GreedyHead(mx::Stream stream) : mx::UnaryPrimitive(stream) {}
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+  const char* name() const override { return "MasGreedyHead"; }
+  bool is_equivalent(const mx::Primitive&) const override { return true; }
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    return {{inputs[0].shape(0)}};
+  }
+};
+
 }  // namespace mas

@@ -64,6 +64,24 @@ def test_staggered_chunked_batch_matches_mlx_lm(setup, depth):
     _check_all(oracle, arrivals, got)
 
 
+def test_plain_greedy_steps_take_the_greedy_head(setup, monkeypatch):
+    """With the compiled kernels, plain greedy decode steps (and prompts sampled alone) ask
+    the greedy head (cpu/greedy_head.py), not the full LM head; the tokens stay mlx-lm's."""
+    pytest.importorskip("mas_kernels")
+    from actors.model_runner.cpu.greedy_head import GreedyHead
+
+    calls = []
+    tokens = GreedyHead.tokens
+    monkeypatch.setattr(GreedyHead, "tokens", lambda self, x: calls.append(x.shape) or
+                        tokens(self, x))
+    path, oracle, info = setup
+    arrivals = _arrivals(oracle)
+    got, _ = run(path, info, arrivals)
+    _check_all(oracle, arrivals, got)
+    assert len(calls) >= sum(n for reqs in arrivals.values() for _, _, n in reqs) // 3
+    assert any(shape[0] > 1 for shape in calls)  # batched decode rows
+
+
 @pytest.mark.parametrize("depth", [1, 2], ids=["plain", "overlap"])
 def test_retraction_under_a_tiny_kv_budget_keeps_tokens_identical(setup, depth):
     path, oracle, info = setup

@@ -386,6 +386,27 @@ def test_plain_greedy_batches_skip_the_full_path():
     assert sampler.full_calls == 3
 
 
+def test_tokens_found_without_logits_only_for_plain_greedy_rows():
+    """launch_tokens (the greedy head's way in): the rows' histories advance as with logits;
+    a row whose token needs the logits (logprobs, sampling, masked stops) is refused."""
+    sampler = Sampler(32, 8)
+    sampler.admit(1, RowParams(), [])
+    sampler.admit(2, RowParams(min_new_tokens=1, stop_ids=(3,)), [])
+    sampler.admit(3, RowParams(top_logprobs=2), [])
+    sampler.admit(4, RowParams(temperature=0.7), [])
+    assert sampler.plain_greedy([1]) and not sampler.plain_greedy([1, 2])
+    assert not sampler.plain_greedy([3]) and not sampler.plain_greedy([4])
+    with pytest.raises(ValueError, match="not all plain greedy"):
+        sampler.launch_tokens([1, 2], mx.array([5, 6], dtype=mx.int32))
+    sampler.sample([2], mx.zeros((1, 32)))  # its one masked step
+    assert sampler.plain_greedy([1, 2])
+    got = sampler.launch_tokens([2, 1], mx.array([7, 9], dtype=mx.int32)).resolve()
+    assert got.tokens == [7, 9] and got.logprobs is None
+    assert sampler.generated[1] == 1 and sampler.generated[2] == 2
+    with pytest.raises(ValueError, match="tokens"):
+        sampler.launch_tokens([1], mx.array([1, 2], dtype=mx.int32))
+
+
 @pytest.mark.parametrize("bad", [dict(top_logprobs=21), dict(stop_ids=(32,)), dict(top_p=0.0),
                                  dict(logit_bias=((-1, 1.0),)), dict(temperature=-1.0)])
 def test_bad_params_are_refused(bad):

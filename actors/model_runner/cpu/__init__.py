@@ -13,7 +13,10 @@
 - MLX's buffer cache limit (`runtime.buffer_cache_mib`, CPU only): big freed buffers are
   kept for reuse rather than returned to the OS and faulted in again;
 - head.py: the LM head on the last position only while a prompt's last chunk runs. It skips
-  work on any device, so it is installed everywhere.
+  work on any device, so it is installed everywhere;
+- greedy_head.py: plain greedy rows' tokens without the vocabulary-wide head product, through
+  the compiled kernels (`runtime.greedy_head`, float32 activations and a float32 or bf16 head,
+  CPU only).
 
 This file imports no MLX: `from actors.model_runner.cpu import blas` must stay possible before
 blas.load(), so install() imports the patch modules when it runs.
@@ -22,8 +25,8 @@ blas.load(), so install() imports the patch modules when it runs.
 from __future__ import annotations
 
 from contextlib import AbstractContextManager, ExitStack
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import mlx.nn as nn
@@ -48,6 +51,14 @@ class Installed:
     norm_rope_modules: int  # RMS norm and RoPE modules switched to the compiled kernels
     buffer_cache_mib: int  # MLX's buffer cache limit set (0: MLX's default kept)
     head_modules: int  # LM head modules that can cut to the last position
+    greedy_head_mib: float  # the greedy head's int8 copy of the LM head (0: not in use)
+    greedy: Any = field(default=None, repr=False)  # the GreedyHead, or None
+
+    def log_fields(self) -> dict[str, Any]:
+        """The fields of the `runner.blas` log (the weight plan and the greedy head object
+        have their own)."""
+        return {f.name: getattr(self, f.name) for f in fields(self)
+                if f.name not in ("weights", "greedy")}
 
     def steps(self) -> AbstractContextManager[None]:
         """The context the runner builds its steps in: fast math on where configured, the
@@ -63,8 +74,8 @@ class Installed:
 
 def install(model: nn.Module, runtime: RuntimeConfig, vocab_size: int) -> Installed:
     """Apply every patch the `[runtime]` config asks for to `model` (in place)."""
-    from actors.model_runner.cpu import (attention, blas, fastmath, head, norm_rope, skinny,
-                                         weights)
+    from actors.model_runner.cpu import (attention, blas, fastmath, greedy_head, head,
+                                         norm_rope, skinny, weights)
 
     import mlx.core as mx
 
@@ -77,6 +88,11 @@ def install(model: nn.Module, runtime: RuntimeConfig, vocab_size: int) -> Instal
     fast_math_globals = fastmath.install(model) if runtime.fast_math else 0
     if compiled is not None:
         attention.install(model)  # after fastmath: it falls back to fastmath's dispatcher
+    head_modules = head.install(model, vocab_size)
+    greedy = None
+    if compiled is not None and runtime.greedy_head:
+        weight = greedy_head.probe(model)  # after head.install: its modules hand over x
+        greedy = greedy_head.GreedyHead(weight, compiled) if weight is not None else None
     return Installed(
         library=blas.in_use(),
         weights=plan,
@@ -88,5 +104,7 @@ def install(model: nn.Module, runtime: RuntimeConfig, vocab_size: int) -> Instal
         decode_attention=compiled is not None,
         norm_rope_modules=norm_rope.apply(model, compiled) if compiled is not None else 0,
         buffer_cache_mib=cache_mib,
-        head_modules=head.install(model, vocab_size),
+        head_modules=head_modules,
+        greedy_head_mib=round(greedy.nbytes / 2**20, 1) if greedy is not None else 0.0,
+        greedy=greedy,
     )

@@ -5,7 +5,8 @@ head is a vocab-wide matmul per position (qwen3-small: 151,936 x 512, as much wo
 as the rest of the model). mlx-lm's own generate therefore runs the last prompt token as a
 forward of its own, which costs a second pass over every weight. Inside `last_only()` the
 model's head modules (the Linear or tied Embedding whose output is the vocabulary) keep only
-the last position of their input, so one forward does both: same logits for that position.
+the last position of their input, so one forward does both: same logits for that position. The same modules hand their input
+to greedy_head.py inside its capture() (greedy rows skip the product).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Iterator
 import mlx.core as mx
 import mlx.nn as nn
 
+from actors.model_runner.cpu import greedy_head
 from actors.model_runner.thread_flag import ThreadFlag
 
 _on = ThreadFlag(False)
@@ -33,12 +35,16 @@ def _cut(x: mx.array) -> mx.array:
 
 class _LinearHead:
     def __call__(self, x: mx.array) -> mx.array:
-        return super().__call__(_cut(x))
+        x = _cut(x)
+        out = greedy_head.intercept(self, x, self.weight.shape[0])
+        return super().__call__(x) if out is None else out
 
 
 class _EmbeddingHead:
     def as_linear(self, x: mx.array) -> mx.array:
-        return super().as_linear(_cut(x))
+        x = _cut(x)
+        out = greedy_head.intercept(self, x, self.weight.shape[0])
+        return super().as_linear(x) if out is None else out
 
 
 _classes: dict[type, type] = {}

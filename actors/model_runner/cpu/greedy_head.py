@@ -1,0 +1,141 @@
+"""Greedy rows' next tokens without the vocabulary-wide LM head product.
+
+In decode the LM head of a small model with a large vocabulary is most of a step: on
+qwen3-small (151,936 x 512 float32, tied) it reads 311 MB per step and, at 16 rows, is more
+arithmetic than the six layers together; a greedy row then keeps one number of its 151,936.
+`mas_kernels.greedy_head` finds that number from an int8 copy of the head with error bounds,
+and multiplies exactly only the rows that can still win (native/src/greedy_head.cpp): the
+token is the argmax of the exact logits, as mx.argmax gives (up to ties within float
+rounding, like any change of batch or BLAS).
+
+This module owns the int8 copy (prepared once at load: one byte per weight, 78 MB on
+qwen3-small beside the 311 MB of float32) and the switch in the head modules: inside
+`capture()`, the head modules (head.py) record their input and return a placeholder that is
+never evaluated, and the runner asks `GreedyHead.tokens` instead. Only float32 and bfloat16
+head weights with float32 activations qualify (the exact logits are then x . w in float32
+arithmetic); quantized heads are already cheap, and bf16 activations round the logits to bf16,
+whose ties the exact products would not reproduce.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from actors.model_runner.thread_flag import ThreadFlag
+
+_CHUNK = 8192  # rows of the head prepared at once (numpy temporaries stay ~100 MB)
+_K_ALIGN = 64  # the kernels read x and w in 64-byte steps
+_N_ALIGN = 16  # and the stats in tiles of 16 rows
+
+
+class Captured:
+    """What the head module saw inside capture(): its input, and the placeholder it returned
+    (the model's output is that very array when nothing came after the head)."""
+
+    def __init__(self) -> None:
+        self.module: nn.Module | None = None
+        self.hidden: mx.array | None = None
+        self.placeholder: mx.array | None = None
+
+
+_capture = ThreadFlag(None)
+
+
+@contextmanager
+def capture() -> Iterator[Captured]:
+    got = Captured()
+    with _capture.holding(got):
+        yield got
+
+
+def intercept(module: nn.Module, x: mx.array, vocab: int) -> mx.array | None:
+    """Called by the head modules with their input: inside capture(), records it and returns
+    the placeholder logits; else None (compute the head)."""
+    got = _capture.get()
+    if got is None:
+        return None
+    got.module = module
+    got.hidden = x
+    got.placeholder = mx.zeros((*x.shape[:-1], vocab), x.dtype)  # lazy: never evaluated
+    return got.placeholder
+
+
+@dataclass(frozen=True)
+class Prepared:
+    wq: mx.array  # uint8 [N, Kp]: round(w / scale) + 128 per row, zero past K
+    stats: mx.array  # float32 [3, Np]: scale, ||w[n]||, ||w[n] - scale * q[n]||, zero past N
+
+
+def prepare(weight: mx.array) -> Prepared:
+    """The int8 copy of a head weight [N, K] (float32 or bfloat16) and its per-row bounds."""
+    n, k = weight.shape
+    kp = -(-k // _K_ALIGN) * _K_ALIGN
+    np_ = -(-n // _N_ALIGN) * _N_ALIGN
+    wq = np.zeros((n, kp), np.uint8)
+    stats = np.zeros((3, np_), np.float32)
+    for start in range(0, n, _CHUNK):
+        rows = np.array(weight[start:start + _CHUNK].astype(mx.float32), np.float64)
+        if not np.isfinite(rows).all():
+            raise ValueError("the LM head has non-finite weights")
+        scale = (np.abs(rows).max(axis=1) / 127.0).astype(np.float32)
+        safe = np.where(scale > 0, scale, 1.0).astype(np.float64)
+        q = np.clip(np.rint(rows / safe[:, None]), -127, 127)
+        q[scale == 0] = 0
+        end = start + len(rows)
+        wq[start:end, :k] = (q + 128).astype(np.uint8)
+        stats[0, start:end] = scale
+        # Rounded up to float32: the bounds may only grow.
+        stats[1, start:end] = _up(np.linalg.norm(rows, axis=1))
+        stats[2, start:end] = _up(np.linalg.norm(rows - scale.astype(np.float64)[:, None] * q,
+                                                 axis=1))
+    return Prepared(mx.array(wq), mx.array(stats))
+
+
+def _up(values: np.ndarray) -> np.ndarray:
+    f = values.astype(np.float32)
+    return np.where(f.astype(np.float64) < values, np.nextafter(f, np.float32(np.inf)), f)
+
+
+class GreedyHead:
+    """argmax(x @ weight.T) for the rows of x, through the kernel."""
+
+    def __init__(self, weight: mx.array, kernels: Any):
+        self.weight = weight
+        self.kernels = kernels
+        self.prepared = prepare(weight)
+        mx.eval(self.prepared.wq, self.prepared.stats)
+
+    @property
+    def nbytes(self) -> int:
+        return self.prepared.wq.nbytes + self.prepared.stats.nbytes
+
+    def tokens(self, x: mx.array) -> mx.array:
+        """x [..., K] float32 (one row per token) -> int32 [...]."""
+        flat = x.reshape(-1, x.shape[-1])
+        out = self.kernels.greedy_head(flat, self.weight, self.prepared.wq, self.prepared.stats)
+        return out.reshape(x.shape[:-1])
+
+
+def probe(model: nn.Module) -> mx.array | None:
+    """The head weight the greedy head can stand in for, or None. Builds (never evaluates)
+    a one-token forward inside capture(): the model qualifies when its output is the head's
+    placeholder itself (nothing, e.g. a logit soft-cap, comes after the head), the head is a
+    dense float32 or bfloat16 weight, and its input is float32."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    with capture() as got:
+        out = model(mx.array([[0]], mx.int32), cache=make_prompt_cache(model))
+    if got.module is None or out is not got.placeholder or got.hidden.dtype != mx.float32:
+        return None
+    if isinstance(got.module, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
+        return None
+    weight = got.module.weight
+    if weight.ndim != 2 or weight.dtype not in (mx.float32, mx.bfloat16):
+        return None
+    return weight
