@@ -167,10 +167,9 @@ class RuntimeConfig(Section):
     # ~10 us per 4 KiB page on this project's VMs. 0: MLX's default.
     buffer_cache_mib: Annotated[int, Meta(ge=0)] = 1024
     # CPU only, with the compiled kernels: plain greedy rows' next token from an int8 copy of
-    # a float32 (or bf16 under float32 activations) LM head with error bounds, the few rows
-    # that can still win multiplied exactly (actors/model_runner/cpu/greedy_head.py): the
-    # same token as the argmax of the full head, at a fraction of its cost. One byte per
-    # head weight more memory.
+    # a float32 or bf16 LM head with error bounds, the few rows that can still win multiplied
+    # exactly (actors/model_runner/cpu/greedy_head.py): the same token as the argmax of the
+    # full head, at a fraction of its cost. One byte per head weight more memory.
     greedy_head: bool = True
 
 

@@ -6,7 +6,7 @@
     decode_attention(q, k, v, pages, lengths, scale, *, stream=None) -> mx.array
     rms_norm(x, weight, eps, *, stream=None) -> mx.array
     rope(x, dims, traditional, base, scale, offsets, *, stream=None) -> mx.array
-    greedy_head(x, w, wq, stats, *, stream=None) -> mx.array
+    greedy_head(x, w, wq, stats, bf16_logits=False, *, stream=None) -> mx.array
 
 They build lazy graph nodes evaluated on MLX's CPU stream. isa() / set_isa(name) report and
 force the instruction-set path; threads() / set_threads(n) the thread count.

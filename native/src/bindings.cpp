@@ -43,12 +43,12 @@ NB_MODULE(_ext, m) {
         "Rotary position embedding of x [batch, heads, tokens, dim] float32, token t of row b "
         "at position offsets[b] + t (offsets int32 [1] or [batch]): mx.fast.rope as one graph "
         "node on the CPU.");
-  m.def("greedy_head", &mas::greedy_head, "x"_a, "w"_a, "wq"_a, "stats"_a, nb::kw_only(),
-        "stream"_a = nb::none(),
+  m.def("greedy_head", &mas::greedy_head, "x"_a, "w"_a, "wq"_a, "stats"_a,
+        "bf16_logits"_a = false, nb::kw_only(), "stream"_a = nb::none(),
         "argmax(x @ w.T, axis=-1) for x [M, K] float32 and the LM head w [N, K] (float32 or "
         "bfloat16), from wq and stats (cpu/greedy_head.py prepares them): int8 products with "
         "error bounds pick the rows that can still win, their exact products decide. -> int32 "
-        "[M], the lowest index on ties.");
+        "[M], the lowest index on ties. bf16_logits: of the logits rounded to bfloat16.");
   m.def("head_x_levels", &mas::head_x_levels,
         "The levels x is quantized to by greedy_head on the path in use (127, or 63 on AVX2).");
   m.def("isa", [] { return std::string(mas::isa_name(mas::current_isa())); },

@@ -16,6 +16,10 @@
 // The result is the argmax of the exact products: the same token as mx.argmax of the float32
 // logits, up to ties within their rounding (as between any two BLAS orderings). Rows that do
 // not narrow down (the per-task candidate lists overflow, non-finite x) are scanned whole.
+// With bf16_logits (a bf16 model: its logits are the float32 sums rounded to bf16, where ties
+// are common and the lowest index wins), each bound also covers that rounding (half a bf16
+// ulp, at most 2^-8 of the value), and the exact products are rounded the same way before
+// they are compared.
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -65,6 +69,19 @@ double exact_dot(const float* x, const T* w, int64_t K) {
   return s0 + s1;
 }
 
+// float64 -> float32 -> bfloat16 (round to nearest even), back as a float64: the value a
+// float32 sum rounded to a bf16 logit has.
+double bf16_round(double v) {
+  const float f = static_cast<float>(v);
+  if (!std::isfinite(f)) return f;
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  u = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+  float r;
+  std::memcpy(&r, &u, sizeof r);
+  return r;
+}
+
 struct Best {
   double value = -HUGE_VAL;
   int32_t index = -1;
@@ -82,6 +99,7 @@ struct Scan {
   const float* x;
   const T* w;
   int64_t N, K;
+  bool bf16_logits;
   std::vector<Best> parts;
 };
 
@@ -93,15 +111,16 @@ void scan_task(void* ctx, int64_t task) {
   const int64_t end = std::min(s.N, (task + 1) * kScanRows);
   Best b;
   for (int64_t n = task * kScanRows; n < end; ++n) {
-    b.offer(exact_dot(s.x, s.w + n * s.K, s.K), static_cast<int32_t>(n));
+    const double v = exact_dot(s.x, s.w + n * s.K, s.K);
+    b.offer(s.bf16_logits ? bf16_round(v) : v, static_cast<int32_t>(n));
   }
   s.parts[task] = b;
 }
 
 // Every row of w, exactly: for the rows of x whose candidates did not narrow down.
 template <class T>
-int32_t full_scan(const float* x, const T* w, int64_t N, int64_t K) {
-  Scan<T> s{x, w, N, K, std::vector<Best>((N + kScanRows - 1) / kScanRows)};
+int32_t full_scan(const float* x, const T* w, int64_t N, int64_t K, bool bf16_logits) {
+  Scan<T> s{x, w, N, K, bf16_logits, std::vector<Best>((N + kScanRows - 1) / kScanRows)};
   parallel_for(static_cast<int64_t>(s.parts.size()), scan_task<T>, &s);
   Best b;
   for (const Best& p : s.parts) {
@@ -112,7 +131,10 @@ int32_t full_scan(const float* x, const T* w, int64_t N, int64_t K) {
 
 template <class T>
 void run(const float* x, const T* w, const uint8_t* wq, const float* stats, int32_t* out,
-         int64_t M, int64_t N, int64_t K, int64_t Kp, int64_t Np) {
+         int64_t M, int64_t N, int64_t K, int64_t Kp, int64_t Np, bool bf16_logits) {
+  // A logit r rounded to bf16 is within 2^-8 |t| of t, and |t| <= ||x|| ||W[n]||.
+  const double rounding = bf16_logits ? 1.0 / 256 : 0.0;
+  const auto value = [bf16_logits](double v) { return bf16_logits ? bf16_round(v) : v; };
   const int levels = head_x_levels();
   thread_local std::vector<int8_t> xq;
   thread_local std::vector<HeadTask> tasks;
@@ -150,9 +172,11 @@ void run(const float* x, const T* w, const uint8_t* wq, const float* stats, int3
     xoff[m] = static_cast<int32_t>(128 * sum);
     xscale[m] = xs;
     // Rounded up to float32 (the bound only grows).
-    alpha[m] = std::nextafter(static_cast<float>((ex + kSlack * (nx + nq)) * (1 + kSlack)),
-                              HUGE_VALF);
-    beta[m] = std::nextafter(static_cast<float>(nq * (1 + kSlack)), HUGE_VALF);
+    alpha[m] = std::nextafter(
+        static_cast<float>(((ex + kSlack * (nx + nq)) * (1 + rounding) + rounding * nx) *
+                           (1 + kSlack)),
+        HUGE_VALF);
+    beta[m] = std::nextafter(static_cast<float>(nq * (1 + rounding) * (1 + kSlack)), HUGE_VALF);
   }
   const int64_t ntasks = (N + kRowsPerTask - 1) / kRowsPerTask;
   tasks.resize(ntasks * M);
@@ -167,7 +191,7 @@ void run(const float* x, const T* w, const uint8_t* wq, const float* stats, int3
   for (int64_t m = 0; m < M; ++m) {
     const float* xr = x + m * K;
     if (scan[m]) {
-      out[m] = full_scan(xr, w, N, K);
+      out[m] = full_scan(xr, w, N, K, bf16_logits);
       continue;
     }
     float lo = -HUGE_VALF;
@@ -178,22 +202,22 @@ void run(const float* x, const T* w, const uint8_t* wq, const float* stats, int3
       if (ts.overflow) {  // its kept rows are not all of its candidates: all of its rows
         const int64_t end = std::min(N, (t + 1) * kRowsPerTask);
         for (int64_t n = t * kRowsPerTask; n < end; ++n) {
-          b.offer(exact_dot(xr, w + n * K, K), static_cast<int32_t>(n));
+          b.offer(value(exact_dot(xr, w + n * K, K)), static_cast<int32_t>(n));
         }
         continue;
       }
       for (int32_t i = 0; i < ts.count; ++i) {
-        if (ts.up[i] >= lo) b.offer(exact_dot(xr, w + ts.idx[i] * K, K), ts.idx[i]);
+        if (ts.up[i] >= lo) b.offer(value(exact_dot(xr, w + ts.idx[i] * K, K)), ts.idx[i]);
       }
     }
-    out[m] = b.index < 0 ? full_scan(xr, w, N, K) : b.index;
+    out[m] = b.index < 0 ? full_scan(xr, w, N, K, bf16_logits) : b.index;
   }
 }
 
 }  // namespace
 
 mx::array greedy_head(const mx::array& x, const mx::array& w, const mx::array& wq,
-                      const mx::array& stats, mx::StreamOrDevice s) {
+                      const mx::array& stats, bool bf16_logits, mx::StreamOrDevice s) {
   const auto fail = [&](const std::string& why) {
     throw std::invalid_argument("greedy_head: " + why + " (x " + shape_str(x.shape()) + ", w " +
                                 shape_str(w.shape()) + ", wq " + shape_str(wq.shape()) +
@@ -215,8 +239,8 @@ mx::array greedy_head(const mx::array& x, const mx::array& w, const mx::array& w
   }
   if (K > (1 << 16)) fail("K above 65,536 would overflow the int32 products");
   mx::Stream stream = cpu_stream(s, "greedy_head");
-  return mx::array({x.shape(0)}, mx::int32, std::make_shared<GreedyHead>(stream),
-                   {x, w, wq, stats});
+  return mx::array({x.shape(0)}, mx::int32,
+                   std::make_shared<GreedyHead>(stream, bf16_logits), {x, w, wq, stats});
 }
 
 void GreedyHead::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
@@ -231,12 +255,13 @@ void GreedyHead::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) 
   const bool bf16 = w.dtype() == mx::bfloat16;
   enc.dispatch([xp = x.data<float>(), wf = bf16 ? nullptr : w.data<float>(),
                 wb = bf16 ? w.data<uint16_t>() : nullptr, qp = wq.data<uint8_t>(),
-                sp = st.data<float>(), op = out.data<int32_t>(), M, N, K, Kp, Np]() {
+                sp = st.data<float>(), op = out.data<int32_t>(), M, N, K, Kp, Np,
+                round = bf16_logits_]() {
     if (M == 0) return;
     if (wf != nullptr) {
-      run(xp, wf, qp, sp, op, M, N, K, Kp, Np);
+      run(xp, wf, qp, sp, op, M, N, K, Kp, Np, round);
     } else {
-      run(xp, wb, qp, sp, op, M, N, K, Kp, Np);
+      run(xp, wb, qp, sp, op, M, N, K, Kp, Np, round);
     }
   });
 }

@@ -126,19 +126,27 @@ class Rope : public mx::UnaryPrimitive {
 // uint8 (w's rows quantized to int8, + 128, zero past K; Kp a multiple of 64), stats float32
 // [3, Np] (Np >= N a multiple of 16): per row of w its scale, ||w[n]||_2 and ||w[n] - scale
 // * (wq[n] - 128)||_2 (both rounded up), zero past N -> int32 [M], the lowest index on ties.
+// bf16_logits: the argmax of the logits rounded to bfloat16 (a bf16 model's).
 mx::array greedy_head(const mx::array& x, const mx::array& w, const mx::array& wq,
-                      const mx::array& stats, mx::StreamOrDevice s = {});
+                      const mx::array& stats, bool bf16_logits = false,
+                      mx::StreamOrDevice s = {});
 
 class GreedyHead : public mx::UnaryPrimitive {
  public:
-  explicit GreedyHead(mx::Stream stream) : mx::UnaryPrimitive(stream) {}
+  GreedyHead(mx::Stream stream, bool bf16_logits)
+      : mx::UnaryPrimitive(stream), bf16_logits_(bf16_logits) {}
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
   void eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) override;
   const char* name() const override { return "MasGreedyHead"; }
-  bool is_equivalent(const mx::Primitive&) const override { return true; }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    return bf16_logits_ == static_cast<const GreedyHead&>(other).bf16_logits_;
+  }
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
     return {{inputs[0].shape(0)}};
   }
+
+ private:
+  bool bf16_logits_;
 };
 
 }  // namespace mas

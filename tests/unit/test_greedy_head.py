@@ -56,6 +56,24 @@ def test_bf16_head_equals_the_exact_argmax(isa):
     np.testing.assert_array_equal(tokens(x, w), exact_argmax(x, w))
 
 
+def test_bf16_logits_take_the_argmax_of_the_rounded_logits(isa):
+    """A bf16 model's logits are float32 sums rounded to bf16: near the top, equal values are
+    common, and the first of them wins."""
+    rng = np.random.default_rng(8)
+    w = mx.array(rng.standard_normal((20000, 128)).astype(np.float32) * 0.05).astype(mx.bfloat16)
+    x = mx.array(rng.standard_normal((24, 128)).astype(np.float32)).astype(mx.bfloat16)
+    exact = (np.array(x.astype(mx.float32), np.float64)
+             @ np.array(w.astype(mx.float32), np.float64).T).astype(np.float32)
+    rounded = np.array(mx.array(exact).astype(mx.bfloat16).astype(mx.float32))
+    want = rounded.argmax(axis=1)
+    ties = sum(int((r == r.max()).sum() > 1) for r in rounded)
+    assert ties >= 2  # the case is exercised: rows whose maximum is shared
+    p = greedy_head.prepare(w)
+    got = np.array(mk.greedy_head(x.astype(mx.float32), w, p.wq, p.stats, True))
+    np.testing.assert_array_equal(got, want)
+    assert (got != exact.argmax(axis=1)).any()  # not the float32 argmax
+
+
 def test_ties_take_the_lowest_index_and_zero_rows_token_zero(isa):
     rng = np.random.default_rng(6)
     w = rng.standard_normal((2000, 96)).astype(np.float32) * 0.1
@@ -127,8 +145,8 @@ class _SoftCap(nn.Module):
 
 def test_probe_finds_the_head_only_where_it_stands_in_exactly():
     tied, untied = _model(True), _model(False)
-    assert greedy_head.probe(tied) is tied.model.embed_tokens.weight
-    assert greedy_head.probe(untied) is untied.lm_head.weight
+    assert greedy_head.probe(tied).weight is tied.model.embed_tokens.weight
+    assert greedy_head.probe(untied).weight is untied.lm_head.weight
     assert greedy_head.probe(_SoftCap(_model(True))) is None  # output is not the head's
     quantized = _model(False)
     nn.quantize(quantized, group_size=32, bits=4)
@@ -136,7 +154,12 @@ def test_probe_finds_the_head_only_where_it_stands_in_exactly():
     assert greedy_head.probe(quantized) is None  # a quantized head is cheap already
     bf16 = _model(True)
     bf16.set_dtype(mx.bfloat16)
-    assert greedy_head.probe(bf16) is None  # bf16 activations: logits rounded to bf16
+    probed = greedy_head.probe(bf16)  # bf16 activations: logits rounded to bf16
+    assert probed.weight is bf16.model.embed_tokens.weight and probed.bf16_logits
+    assert not greedy_head.probe(tied).bf16_logits
+    f16 = _model(True)
+    f16.set_dtype(mx.float16)
+    assert greedy_head.probe(f16) is None
 
 
 def test_the_model_forward_hands_its_head_input_over():

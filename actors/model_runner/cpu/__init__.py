@@ -15,8 +15,7 @@
 - head.py: the LM head on the last position only while a prompt's last chunk runs. It skips
   work on any device, so it is installed everywhere;
 - greedy_head.py: plain greedy rows' tokens without the vocabulary-wide head product, through
-  the compiled kernels (`runtime.greedy_head`, float32 activations and a float32 or bf16 head,
-  CPU only).
+  the compiled kernels (`runtime.greedy_head`, a float32 or bf16 head, CPU only).
 
 This file imports no MLX: `from actors.model_runner.cpu import blas` must stay possible before
 blas.load(), so install() imports the patch modules when it runs.
@@ -91,8 +90,9 @@ def install(model: nn.Module, runtime: RuntimeConfig, vocab_size: int) -> Instal
     head_modules = head.install(model, vocab_size)
     greedy = None
     if compiled is not None and runtime.greedy_head:
-        weight = greedy_head.probe(model)  # after head.install: its modules hand over x
-        greedy = greedy_head.GreedyHead(weight, compiled) if weight is not None else None
+        probed = greedy_head.probe(model)  # after head.install: its modules hand over x
+        if probed is not None:
+            greedy = greedy_head.GreedyHead(probed.weight, compiled, probed.bf16_logits)
     return Installed(
         library=blas.in_use(),
         weights=plan,

@@ -11,10 +11,11 @@ rounding, like any change of batch or BLAS).
 This module owns the int8 copy (prepared once at load: one byte per weight, 78 MB on
 qwen3-small beside the 311 MB of float32) and the switch in the head modules: inside
 `capture()`, the head modules (head.py) record their input and return a placeholder that is
-never evaluated, and the runner asks `GreedyHead.tokens` instead. Only float32 and bfloat16
-head weights with float32 activations qualify (the exact logits are then x . w in float32
-arithmetic); quantized heads are already cheap, and bf16 activations round the logits to bf16,
-whose ties the exact products would not reproduce.
+never evaluated, and the runner asks `GreedyHead.tokens` instead. Float32 and bfloat16 head
+weights qualify, with float32 logits or a bf16 model's bf16 ones (the float32 sums rounded to
+bf16, where equal logits are common: the bounds cover that rounding and the exact products are
+rounded alike, so the lowest of the equal indices wins as in mx.argmax); quantized heads are
+cheap already.
 """
 
 from __future__ import annotations
@@ -103,11 +104,13 @@ def _up(values: np.ndarray) -> np.ndarray:
 
 
 class GreedyHead:
-    """argmax(x @ weight.T) for the rows of x, through the kernel."""
+    """argmax(x @ weight.T) for the rows of x, through the kernel; with bf16_logits, of those
+    logits rounded to bfloat16 (the lowest index among equal ones)."""
 
-    def __init__(self, weight: mx.array, kernels: Any):
+    def __init__(self, weight: mx.array, kernels: Any, bf16_logits: bool = False):
         self.weight = weight
         self.kernels = kernels
+        self.bf16_logits = bf16_logits
         self.prepared = prepare(weight)
         mx.eval(self.prepared.wq, self.prepared.stats)
 
@@ -116,26 +119,39 @@ class GreedyHead:
         return self.prepared.wq.nbytes + self.prepared.stats.nbytes
 
     def tokens(self, x: mx.array) -> mx.array:
-        """x [..., K] float32 (one row per token) -> int32 [...]."""
-        flat = x.reshape(-1, x.shape[-1])
-        out = self.kernels.greedy_head(flat, self.weight, self.prepared.wq, self.prepared.stats)
+        """x [..., K] (one row per token; a bf16 model's exactly widened) -> int32 [...]."""
+        flat = x.reshape(-1, x.shape[-1]).astype(mx.float32)
+        out = self.kernels.greedy_head(flat, self.weight, self.prepared.wq, self.prepared.stats,
+                                       self.bf16_logits)
         return out.reshape(x.shape[:-1])
 
 
-def probe(model: nn.Module) -> mx.array | None:
-    """The head weight the greedy head can stand in for, or None. Builds (never evaluates)
-    a one-token forward inside capture(): the model qualifies when its output is the head's
-    placeholder itself (nothing, e.g. a logit soft-cap, comes after the head), the head is a
-    dense float32 or bfloat16 weight, and its input is float32."""
+@dataclass(frozen=True)
+class Probed:
+    weight: mx.array  # the head's weight [vocab, hidden], float32 or bfloat16
+    bf16_logits: bool  # the head's logits are bf16 (a bf16 model's): its argmax is theirs
+
+
+def probe(model: nn.Module) -> Probed | None:
+    """What the greedy head can stand in for, or None. Builds (never evaluates) a one-token
+    forward inside capture(): the model qualifies when its output is the head's placeholder
+    itself (nothing, e.g. a logit soft-cap, comes after the head), the head is a dense
+    float32 or bfloat16 weight, and its logits are float32 or bfloat16."""
     from mlx_lm.models.cache import make_prompt_cache
 
     with capture() as got:
         out = model(mx.array([[0]], mx.int32), cache=make_prompt_cache(model))
-    if got.module is None or out is not got.placeholder or got.hidden.dtype != mx.float32:
+    module = got.module
+    if module is None or out is not got.placeholder:
         return None
-    if isinstance(got.module, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
+    if isinstance(module, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
         return None
-    weight = got.module.weight
+    weight = module.weight
     if weight.ndim != 2 or weight.dtype not in (mx.float32, mx.bfloat16):
         return None
-    return weight
+    # The real head on the same input (outside capture(); lazy, never evaluated): the dtype of
+    # the logits whose argmax the runner would take.
+    logits = (module.as_linear if isinstance(module, nn.Embedding) else module)(got.hidden)
+    if logits.dtype not in (mx.float32, mx.bfloat16):
+        return None
+    return Probed(weight, logits.dtype == mx.bfloat16)
