@@ -125,7 +125,7 @@ def profile(model, installed, batch: int, context: int, repeat: int,
         kv, positions = attn[0], decode.positions
         heads = model.args.num_attention_heads
         q = mx.random.normal((batch, heads, 1, kv.keys.shape[-1]), dtype=kv.keys.dtype)
-        if installed.decode_attention:  # what the runner's steps run
+        if installed.decode_attention and kv.keys.dtype == mx.float32:  # the runner's steps'
             import mas_kernels
 
             core = median_ms(lambda: mas_kernels.decode_attention(
