@@ -252,26 +252,14 @@ void head_dots(const HeadArgs& a, const uint8_t* const* rows, int64_t m0, int32_
 
 void head_task(void* ctx, int64_t task) {
   const HeadArgs& a = *static_cast<const HeadArgs*>(ctx);
-  head_reset(a, task);
-  const int64_t begin = task * a.rows_per_task;
-  const int64_t end = begin + a.rows_per_task < a.N ? begin + a.rows_per_task : a.N;
-  alignas(32) int32_t dots[2 * kHeadTile];
-  for (int64_t n0 = begin; n0 < end; n0 += kHeadTile) {
-    const int64_t valid = end - n0 < kHeadTile ? end - n0 : kHeadTile;
-    const uint8_t* rows[kHeadTile];
-    for (int64_t j = 0; j < kHeadTile; ++j) rows[j] = a.w + (j < valid ? n0 + j : n0) * a.Kp;
-    for (int64_t m0 = 0; m0 < a.M; m0 += 2) {
-      const int64_t mr = a.M - m0 < 2 ? a.M - m0 : 2;
-      if (mr == 2) {
-        head_dots<2>(a, rows, m0, dots);
-      } else {
-        head_dots<1>(a, rows, m0, dots);
-      }
-      for (int64_t i = 0; i < mr; ++i) {
-        head_epilogue(a, a.tasks[task * a.M + m0 + i], m0 + i, n0, dots + i * kHeadTile, valid);
-      }
+  head_run<2>(a, task, [&a](const uint8_t* const* rows, int64_t m0, int mr, int32_t* out,
+                            const uint8_t*) {
+    if (mr == 2) {
+      head_dots<2>(a, rows, m0, out);
+    } else {
+      head_dots<1>(a, rows, m0, out);
     }
-  }
+  });
 }
 
 }  // namespace

@@ -304,29 +304,15 @@ void head_dots(const HeadArgs& a, const uint8_t* const* rows, int64_t m0, int32_
 
 void head_task(void* ctx, int64_t task) {
   const HeadArgs& a = *static_cast<const HeadArgs*>(ctx);
-  head_reset(a, task);
-  const int64_t begin = task * a.rows_per_task;
-  const int64_t end = begin + a.rows_per_task < a.N ? begin + a.rows_per_task : a.N;
-  alignas(64) int32_t dots[4 * kHeadTile];
-  for (int64_t n0 = begin; n0 < end; n0 += kHeadTile) {
-    const int64_t valid = end - n0 < kHeadTile ? end - n0 : kHeadTile;
-    const uint8_t* rows[kHeadTile];
-    for (int64_t j = 0; j < kHeadTile; ++j) rows[j] = a.w + (j < valid ? n0 + j : n0) * a.Kp;
-    const uint8_t* next = n0 + 2 * kHeadTile <= end ? a.w + (n0 + kHeadTile) * a.Kp : nullptr;
-    for (int64_t m0 = 0; m0 < a.M; m0 += 4) {
-      const int64_t mr = a.M - m0 < 4 ? a.M - m0 : 4;
-      const uint8_t* pf = m0 == 0 && a.M > 4 ? next : nullptr;
-      switch (mr) {
-        case 4: head_dots<4>(a, rows, m0, dots, pf); break;
-        case 3: head_dots<3>(a, rows, m0, dots, pf); break;
-        case 2: head_dots<2>(a, rows, m0, dots, pf); break;
-        default: head_dots<1>(a, rows, m0, dots, pf); break;
-      }
-      for (int64_t i = 0; i < mr; ++i) {
-        head_epilogue(a, a.tasks[task * a.M + m0 + i], m0 + i, n0, dots + i * kHeadTile, valid);
-      }
+  head_run<4>(a, task, [&a](const uint8_t* const* rows, int64_t m0, int mr, int32_t* out,
+                            const uint8_t* next) {
+    switch (mr) {
+      case 4: return head_dots<4>(a, rows, m0, out, next);
+      case 3: return head_dots<3>(a, rows, m0, out, next);
+      case 2: return head_dots<2>(a, rows, m0, out, next);
+      default: return head_dots<1>(a, rows, m0, out, next);
     }
-  }
+  });
 }
 
 }  // namespace

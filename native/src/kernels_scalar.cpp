@@ -137,25 +137,15 @@ namespace {
 
 void head_task(void* ctx, int64_t task) {
   const HeadArgs& a = *static_cast<const HeadArgs*>(ctx);
-  head_reset(a, task);
-  const int64_t begin = task * a.rows_per_task;
-  const int64_t end = begin + a.rows_per_task < a.N ? begin + a.rows_per_task : a.N;
-  int32_t dots[kHeadTile];
-  for (int64_t n0 = begin; n0 < end; n0 += kHeadTile) {
-    const int64_t valid = end - n0 < kHeadTile ? end - n0 : kHeadTile;
-    for (int64_t m = 0; m < a.M; ++m) {
-      const int8_t* xr = a.x + m * a.Kp;
-      for (int64_t j = 0; j < kHeadTile; ++j) {
-        int32_t sum = 0;
-        if (j < valid) {
-          const uint8_t* wr = a.w + (n0 + j) * a.Kp;
-          for (int64_t k = 0; k < a.Kp; ++k) sum += int32_t{wr[k]} * int32_t{xr[k]};
-        }
-        dots[j] = sum;
-      }
-      head_epilogue(a, a.tasks[task * a.M + m], m, n0, dots, valid);
+  head_run<1>(a, task, [&a](const uint8_t* const* rows, int64_t m0, int, int32_t* out,
+                            const uint8_t*) {
+    const int8_t* xr = a.x + m0 * a.Kp;
+    for (int64_t j = 0; j < kHeadTile; ++j) {
+      int32_t sum = 0;
+      for (int64_t k = 0; k < a.Kp; ++k) sum += int32_t{rows[j][k]} * int32_t{xr[k]};
+      out[j] = sum;
     }
-  }
+  });
 }
 
 }  // namespace
