@@ -16,16 +16,7 @@ import mlx.nn as nn  # noqa: E402
 from mlx_lm.models import qwen3  # noqa: E402
 
 from actors.model_runner.cpu import greedy_head, head  # noqa: E402
-
-PATHS = [p for p in ("avx512", "avx2", "scalar") if mk.has_isa(p)]
-
-
-@pytest.fixture(params=PATHS)
-def isa(request):
-    before = mk.isa()
-    mk.set_isa(request.param)
-    yield request.param
-    mk.set_isa(before)
+from tests.unit.test_kernels import isa  # noqa: E402, F401  (every path this CPU has)
 
 
 def exact_argmax(x: mx.array, w: mx.array) -> np.ndarray:
