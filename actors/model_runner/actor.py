@@ -69,6 +69,7 @@ class MlxThread(threading.Thread):
                 continue
             if batch is _STOP:
                 pipeline.flush()
+                self.stats.maybe_report(final=True)  # the last stretch, however short
                 return
             pipeline.launch(batch)
 
@@ -101,10 +102,11 @@ class Utilisation:
         self.tokens += tokens
         self.maybe_report()
 
-    def maybe_report(self) -> None:
+    def maybe_report(self, final: bool = False) -> None:
+        """Log the interval once it is over (`final`: at shutdown, however short it was)."""
         now = time.perf_counter()
         wall = now - self.since
-        if wall < self.interval:
+        if wall < self.interval and not (final and self.steps and wall > 0):
             return
         if self.steps:
             self.log.info("runner.utilisation", busy_fraction=round(self.busy / wall, 4),

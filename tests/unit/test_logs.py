@@ -28,3 +28,27 @@ def test_level_filters(tmp_path):
     get_logger().info("quiet")
     get_logger().error("loud")
     assert [json.loads(line)["event"] for line in path.read_text().splitlines()] == ["loud"]
+
+
+def test_runner_utilisation_logs_its_last_short_interval_at_shutdown():
+    """An interval is logged once it is over, and at shutdown however short it was (a run
+    shorter than log.stats_interval_s would otherwise leave no runner.utilisation at all)."""
+    from actors.model_runner.actor import Utilisation
+
+    class Log:
+        def __init__(self):
+            self.events = []
+
+        def info(self, event, **fields):
+            self.events.append((event, fields))
+
+    log = Log()
+    stats = Utilisation(log, interval=3600.0)
+    stats.step(0.01, tokens=4)
+    stats.maybe_report()
+    assert log.events == []  # the interval is not over
+    stats.maybe_report(final=True)
+    assert [e for e, _ in log.events] == ["runner.utilisation"]
+    assert log.events[0][1]["steps"] == 1 and log.events[0][1]["busy_s"] == 0.01
+    stats.maybe_report(final=True)  # nothing ran since: nothing more
+    assert len(log.events) == 1
