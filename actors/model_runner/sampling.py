@@ -175,7 +175,7 @@ class Sampler:
         idx = self._admitted(rows)
         if logits.shape != (len(rows), self.vocab):
             raise ValueError(f"logits {logits.shape} for {len(rows)} rows x {self.vocab}")
-        if self.plain_greedy(rows):
+        if self._plain(idx):
             self.generated[idx] += 1  # plain greedy: one argmax, no copies
             return Pending(mx.argmax(logits, axis=-1).astype(mx.int32))
         return self._sample_full(rows, idx, logits)
@@ -184,7 +184,9 @@ class Sampler:
         """Whether every row's next token is the argmax of the raw logits (greedy, no
         penalty, bias, logprobs or masked stop ids): then the logits themselves are not
         needed, only their argmax."""
-        idx = np.asarray(rows, np.int64)
+        return self._plain(np.asarray(rows, np.int64))
+
+    def _plain(self, idx: np.ndarray) -> bool:
         return bool(self.live[idx].all() and self.plain[idx].all()
                     and (self.generated[idx] >= self.mask_until[idx]).all())
 
@@ -192,7 +194,7 @@ class Sampler:
         """The rows' argmax tokens (int32 [len(rows)]) found without their logits, for rows
         that are plain_greedy(); their histories advance as in launch()."""
         idx = self._admitted(rows)
-        if not self.plain_greedy(rows):
+        if not self._plain(idx):
             raise ValueError(f"rows {rows} are not all plain greedy")
         if tokens.shape != (len(rows),):
             raise ValueError(f"tokens {tokens.shape} for {len(rows)} rows")

@@ -105,21 +105,17 @@ void attention(const AttnArgs& a) {
   }
 }
 
-bool head_has_vnni() {
-#if MAS_X86
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx512vnni");
-#else
-  return false;
-#endif
-}
-
 namespace {
+#if MAS_X86
+const bool g_vnni = (__builtin_cpu_init(), __builtin_cpu_supports("avx512vnni"));
+#else
+const bool g_vnni = false;
+#endif
+
 // The AVX-512 path's head needs VNNI too (vpdpbusd); without it, AVX2's.
 Isa head_path() {
   const Isa isa = g_isa.load();
-  if (isa == Isa::avx512 && !head_has_vnni()) return Isa::avx2;
-  return isa;
+  return isa == Isa::avx512 && !g_vnni ? Isa::avx2 : isa;
 }
 }  // namespace
 

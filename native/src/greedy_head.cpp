@@ -24,7 +24,6 @@
 #include <cmath>
 #include <cstring>
 #include <stdexcept>
-#include <type_traits>
 #include <vector>
 
 #include "kernels.h"
@@ -38,48 +37,18 @@ namespace {
 constexpr int64_t kRowsPerTask = 1024;  // vocabulary rows per task (a multiple of kHeadTile)
 constexpr double kSlack = 1e-5;  // float rounding of a and its bound, relative to ||x|| ||W||
 
-float bf16_value(uint16_t h) {
-  const uint32_t u = static_cast<uint32_t>(h) << 16;
-  float f;
-  std::memcpy(&f, &u, sizeof f);
-  return f;
-}
-
 // x . w[n] with float64 sums: every float32 (or bf16) product is exact in float64.
 template <class T>
 double exact_dot(const float* x, const T* w, int64_t K) {
-  double s0 = 0.0, s1 = 0.0;
-  int64_t k = 0;
-  for (; k + 1 < K; k += 2) {
-    if constexpr (std::is_same_v<T, float>) {
-      s0 += static_cast<double>(x[k]) * w[k];
-      s1 += static_cast<double>(x[k + 1]) * w[k + 1];
-    } else {
-      s0 += static_cast<double>(x[k]) * bf16_value(w[k]);
-      s1 += static_cast<double>(x[k + 1]) * bf16_value(w[k + 1]);
-    }
-  }
-  if (k < K) {
-    if constexpr (std::is_same_v<T, float>) {
-      s0 += static_cast<double>(x[k]) * w[k];
-    } else {
-      s0 += static_cast<double>(x[k]) * bf16_value(w[k]);
-    }
-  }
-  return s0 + s1;
+  double sum = 0.0;
+  for (int64_t k = 0; k < K; ++k) sum += static_cast<double>(x[k]) * static_cast<float>(w[k]);
+  return sum;
 }
 
-// float64 -> float32 -> bfloat16 (round to nearest even), back as a float64: the value a
-// float32 sum rounded to a bf16 logit has.
+// The value a float32 sum has once rounded to a bf16 logit: MLX's own conversion (round to
+// nearest even), so the kernel rounds exactly as astype(mx.bfloat16) does.
 double bf16_round(double v) {
-  const float f = static_cast<float>(v);
-  if (!std::isfinite(f)) return f;
-  uint32_t u;
-  std::memcpy(&u, &f, sizeof u);
-  u = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
-  float r;
-  std::memcpy(&r, &u, sizeof r);
-  return r;
+  return static_cast<float>(mx::bfloat16_t(static_cast<float>(v)));
 }
 
 struct Best {
@@ -254,7 +223,7 @@ void GreedyHead::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) 
   const int64_t Np = st.shape(1);
   const bool bf16 = w.dtype() == mx::bfloat16;
   enc.dispatch([xp = x.data<float>(), wf = bf16 ? nullptr : w.data<float>(),
-                wb = bf16 ? w.data<uint16_t>() : nullptr, qp = wq.data<uint8_t>(),
+                wb = bf16 ? w.data<mx::bfloat16_t>() : nullptr, qp = wq.data<uint8_t>(),
                 sp = st.data<float>(), op = out.data<int32_t>(), M, N, K, Kp, Np,
                 round = bf16_logits_]() {
     if (M == 0) return;

@@ -105,7 +105,7 @@ void qmm(const QmmArgs& a);
 void bf16mm(const Bf16Args& a);
 void f32mm(const F32Args& a);
 void attention(const AttnArgs& a);
-void head(const HeadArgs& a);  // needs AVX-512 VNNI (head_has_vnni())
+void head(const HeadArgs& a);  // needs AVX-512 VNNI (dispatch.cpp checks)
 }  // namespace avx512
 
 // dispatch.cpp: the path in use, chosen from the CPU at load time.
@@ -122,7 +122,6 @@ void head(const HeadArgs& a);
 // The levels x is quantized to for head() on the path in use: 127, or 63 where the int8
 // products go through vpmaddubsw (AVX2), whose 16-bit pair sums would saturate at 127.
 int head_x_levels();
-bool head_has_vnni();
 
 // threads.cpp: one job at a time over a small pool; the calling thread takes part.
 // Runs fn(ctx, t) for t in [0, ntasks), in any order, on up to num_threads() threads.

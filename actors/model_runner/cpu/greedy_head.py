@@ -85,9 +85,8 @@ def prepare(weight: mx.array) -> Prepared:
         if not np.isfinite(rows).all():
             raise ValueError("the LM head has non-finite weights")
         scale = (np.abs(rows).max(axis=1) / 127.0).astype(np.float32)
-        safe = np.where(scale > 0, scale, 1.0).astype(np.float64)
+        safe = np.where(scale > 0, scale, 1.0).astype(np.float64)  # an all-zero row: q = 0
         q = np.clip(np.rint(rows / safe[:, None]), -127, 127)
-        q[scale == 0] = 0
         end = start + len(rows)
         wq[start:end, :k] = (q + 128).astype(np.uint8)
         stats[0, start:end] = scale

@@ -5,8 +5,9 @@ head is a vocab-wide matmul per position (qwen3-small: 151,936 x 512, as much wo
 as the rest of the model). mlx-lm's own generate therefore runs the last prompt token as a
 forward of its own, which costs a second pass over every weight. Inside `last_only()` the
 model's head modules (the Linear or tied Embedding whose output is the vocabulary) keep only
-the last position of their input, so one forward does both: same logits for that position. The same modules hand their input
-to greedy_head.py inside its capture() (greedy rows skip the product).
+the last position of their input, so one forward does both: same logits for that position.
+The same modules hand their input to greedy_head.py inside its capture() (greedy rows skip the
+product).
 """
 
 from __future__ import annotations
