@@ -125,16 +125,15 @@ def profile(model, installed, batch: int, context: int, repeat: int,
         kv, positions = attn[0], decode.positions
         heads = model.args.num_attention_heads
         q = mx.random.normal((batch, heads, 1, kv.keys.shape[-1]), dtype=kv.keys.dtype)
-        if installed.decode_attention and kv.keys.dtype == mx.float32:  # the runner's steps'
-            import mas_kernels
+        from actors.model_runner.cpu import attention
 
-            core = median_ms(lambda: mas_kernels.decode_attention(
-                q, kv.keys, kv.values, positions.table, positions.keys_per_row, 0.1), repeat)
-        else:  # the pages gathered for MLX's attention, as update_and_fetch gives them
-            core = median_ms(lambda: mx.fast.scaled_dot_product_attention(
-                q, kv.gather(kv.keys, positions.table), kv.gather(kv.values, positions.table),
-                scale=0.1, mask=positions.mask), repeat)
-        parts["attention core"] = core * len(attn)
+        def core():  # the runner's dispatch: the kernel where it fits, else the pages gathered
+            with installed.steps():  # for MLX's attention, as update_and_fetch gives them
+                return attention.attention(q, kv.gather(kv.keys, positions.table),
+                                           kv.gather(kv.values, positions.table), kv, 0.1,
+                                           positions.mask)
+
+        parts["attention core"] = median_ms(core, repeat) * len(attn)
     sampler = Sampler(vocab, batch)
     for row in range(1, batch + 1):
         sampler.admit(row, RowParams(), [])
