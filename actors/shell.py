@@ -74,18 +74,25 @@ class Inbox:
     async def recv_all(self, timeout: float | None = None) -> list[Any]:
         """Wait for one message, then take everything already queued, so the actor acts once
         per burst. An empty list means the timeout passed."""
+        return [self.dec.decode(f) for f in await self.recv_frames(timeout)]
+
+    async def recv_frames(self, timeout: float | None = None) -> list[bytes]:
+        """recv_all's frames, not decoded yet (to pass on as they came)."""
         if timeout is not None and not await self.sock.poll(timeout * 1000):
             return []
-        msgs = [self.dec.decode(await self.sock.recv())]
+        frames = [await self.sock.recv()]
         while True:
             try:
-                msgs.append(self.dec.decode(await self.sock.recv(zmq.NOBLOCK)))
+                frames.append(await self.sock.recv(zmq.NOBLOCK))
             except zmq.Again:
-                return msgs
+                return frames
 
 
 def _unlink_inbox(addrs: Addresses, name: str) -> None:
-    path = Path(addrs.inbox(name)[len("ipc://"):])
+    address = addrs.inbox(name)
+    if not address.startswith("ipc://"):
+        return
+    path = Path(address[len("ipc://"):])
     path.unlink(missing_ok=True)
     try:
         path.parent.rmdir()  # the last actor out removes the folder if the launcher could not

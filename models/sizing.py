@@ -13,17 +13,21 @@ def kv_capacity(cfg: Config, model: ModelInfo) -> int:
     if cfg.memory.kv_tokens:
         return cfg.memory.kv_tokens
     physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if cfg.runner.on_one_host():  # the ranks share this machine's memory
+        physical //= cfg.runner.tp
     per_token = max(1, kv_bytes_per_token(cfg, model))
     ceiling = cfg.scheduler.max_running_requests * model.context_length
     return max(1, min(int(physical * cfg.memory.kv_fraction) // per_token, ceiling))
 
 
 def kv_bytes_per_token(cfg: Config, model: ModelInfo) -> int:
-    """One token's KV bytes as the runner keeps them: float32 under runtime.activations =
-    "float32", else the checkpoint's dtype."""
+    """One token's KV bytes as one runner rank keeps them: float32 under runtime.activations =
+    "float32", else the checkpoint's dtype; with tensor parallelism each rank holds 1/tp of
+    the KV heads, so the same memory per rank holds tp times the tokens."""
+    per_token = model.kv_bytes_per_token
     if cfg.runtime.activations == "float32":
-        return model.kv_bytes_per_token // max(1, model.kv_value_bytes) * 4
-    return model.kv_bytes_per_token
+        per_token = per_token // max(1, model.kv_value_bytes) * 4
+    return per_token // cfg.runner.tp
 
 
 def state_capacity(cfg: Config, model: ModelInfo) -> int:

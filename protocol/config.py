@@ -173,6 +173,38 @@ class RuntimeConfig(Section):
     greedy_head: bool = True
 
 
+class RunnerConfig(Section):
+    """Tensor parallelism: the model runner as `tp` ranks of one mlx.distributed group, each
+    holding 1/tp of every sharded layer (mlx-lm's `model.shard()`)."""
+
+    tp: Annotated[int, Meta(ge=1, le=64)] = 1
+    # mlx.distributed's backend. ring: TCP between the hosts below (set up by launch); jaccl
+    # (Thunderbolt RDMA) and mpi read their own environment, set as `mlx.launch` would.
+    backend: Literal["ring", "jaccl", "mpi"] = "ring"
+    # One IP per rank, rank 0 first; empty: every rank on this machine over loopback.
+    hosts: list[str] = []
+    # The ring's first TCP port (rank k listens on port + k); 0: free ports picked at launch
+    # (one machine only).
+    port: Port = 0
+    # A step that has not finished after this long means a rank stalled: the rank exits, and
+    # the graph stops as for any dead actor (tp > 1 only).
+    step_timeout_s: Seconds = 120.0
+
+    def __post_init__(self) -> None:
+        if self.hosts and len(self.hosts) != self.tp:
+            raise ValueError(f"runner.hosts: one IP per rank, got {len(self.hosts)} for "
+                             f"tp = {self.tp}")
+        if self.port and self.port + self.tp - 1 > 65535:
+            raise ValueError(f"runner.port: ports {self.port}..{self.port + self.tp - 1} "
+                             f"do not all exist")
+        if self.tp > 1 and self.backend == "ring" and not self.port and not self.on_one_host():
+            raise ValueError("runner.port: hosts on several machines need a fixed first port")
+
+    def on_one_host(self) -> bool:
+        return len(set(self.hosts)) <= 1 and all(h in ("127.0.0.1", "localhost", "::1")
+                                                 for h in self.hosts)
+
+
 class MemoryConfig(Section):
     # KV capacity in tokens (slots); 0 derives it from kv_fraction of physical memory.
     kv_tokens: Annotated[int, Meta(ge=0)] = 0
@@ -235,6 +267,7 @@ class Config(Section):
     scheduler: SchedulerConfig = SchedulerConfig()
     memory: MemoryConfig = MemoryConfig()
     runtime: RuntimeConfig = RuntimeConfig()
+    runner: RunnerConfig = RunnerConfig()
     cache: CacheConfig = CacheConfig()
     limits: LimitsConfig = LimitsConfig()
     log: LogConfig = LogConfig()

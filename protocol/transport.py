@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import socket
 import tempfile
 from pathlib import Path
 
@@ -27,9 +28,20 @@ class Addresses(msgspec.Struct, frozen=True):
     detokenizer: str
     launcher: str
     client: str  # the tokenizer's ROUTER endpoint; port 0 means "any free port"
+    # Tensor parallel (runner.tp > 1): the inboxes of ranks 1.. (actors "runner-1", ...), and
+    # the ring backend's "ip:port" of every rank, rank 0 first.
+    ranks: list[str] = []
+    ring: list[str] = []
 
     def inbox(self, actor: str) -> str:
+        if actor.startswith("runner-"):
+            return self.ranks[int(actor[len("runner-"):]) - 1]
         return getattr(self, actor)
+
+
+def rank_names(tp: int) -> list[str]:
+    """The actor names of the model runner's ranks: "runner" is rank 0."""
+    return ["runner"] + [f"runner-{k}" for k in range(1, tp)]
 
 
 def derive_addresses(cfg: Config, ipc_dir: str | None = None) -> Addresses:
@@ -37,12 +49,49 @@ def derive_addresses(cfg: Config, ipc_dir: str | None = None) -> Addresses:
     folder = ipc_dir or cfg.server.ipc_dir or tempfile.mkdtemp(prefix="mas-", dir="/tmp")
     Path(folder).mkdir(parents=True, exist_ok=True)
     ipc = {name: f"ipc://{os.path.join(folder, name)}" for name in (*ACTORS, "launcher")}
-    return Addresses(ipc_dir=folder, client=f"tcp://{cfg.server.host}:{cfg.server.port}", **ipc)
+    ranks, ring = _tp_addresses(cfg, folder)
+    return Addresses(ipc_dir=folder, client=f"tcp://{cfg.server.host}:{cfg.server.port}",
+                     ranks=ranks, ring=ring, **ipc)
+
+
+def _tp_addresses(cfg: Config, folder: str) -> tuple[list[str], list[str]]:
+    """Rank inboxes and ring endpoints. On one machine the inboxes are ipc:// and the ring's
+    ports free ones unless runner.port fixes them; across machines rank k listens on
+    runner.port + k for the ring and binds its inbox on runner.port + tp + k."""
+    run = cfg.runner
+    if run.tp == 1:
+        return [], []
+    hosts = run.hosts or ["127.0.0.1"] * run.tp
+    if run.on_one_host():
+        ranks = [f"ipc://{os.path.join(folder, f'runner-{k}')}" for k in range(1, run.tp)]
+    else:
+        ranks = [f"tcp://{_host(hosts[k])}:{run.port + run.tp + k}" for k in range(1, run.tp)]
+    ports = [run.port + k for k in range(run.tp)] if run.port else free_ports(hosts[0], run.tp)
+    return ranks, [f"{_host(h)}:{p}" for h, p in zip(hosts, ports)]
+
+
+def _host(ip: str) -> str:
+    return f"[{ip}]" if ":" in ip and not ip.startswith("[") else ip
+
+
+def free_ports(host: str, n: int) -> list[int]:
+    """n distinct TCP ports free on host right now (the ring binds them moments later)."""
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+            s.bind((host.strip("[]"), 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
 
 
 def ipc_files(addrs: Addresses) -> list[Path]:
-    return [Path(a[len("ipc://"):]) for a in (addrs.tokenizer, addrs.scheduler, addrs.runner,
-                                               addrs.detokenizer, addrs.launcher)]
+    inboxes = (addrs.tokenizer, addrs.scheduler, addrs.runner, addrs.detokenizer, addrs.launcher,
+               *addrs.ranks)
+    return [Path(a[len("ipc://"):]) for a in inboxes if a.startswith("ipc://")]
 
 
 def bind_tcp(sock: zmq.Socket, address: str) -> str:

@@ -5,16 +5,19 @@ messages between the inbox, that thread and the scheduler."""
 from __future__ import annotations
 
 import asyncio
+import os
 import queue
 import threading
 import time
 
 import mlx.core as mx
 
+from actors.model_runner import tensor_parallel
 from actors.model_runner.loading import load_model
 from actors.model_runner.pipeline import Pipeline
 from actors.model_runner.runner import ModelRunner
 from actors.shell import Shell, run_actor
+from protocol.transport import rank_names
 from models.sizing import kv_capacity, state_capacity
 from protocol import messages as m
 
@@ -29,6 +32,8 @@ class MlxThread(threading.Thread):
         self.inbox: queue.Queue = queue.Queue()
         self.loaded = loop.create_future()
         self.last_sent = 0.0
+        self.rank = tensor_parallel.rank_of(shell.name)  # only rank 0 sends results
+        self.watchdog = tensor_parallel.Watchdog(shell.cfg.runner.step_timeout_s)
 
     def _runner(self, model) -> ModelRunner:
         cfg, info = self.shell.cfg, self.shell.model
@@ -47,7 +52,10 @@ class MlxThread(threading.Thread):
 
     def run(self) -> None:
         try:
+            group = tensor_parallel.join(self.shell.cfg, self.shell.addrs, self.rank)
             model = load_model(self.shell.model.path)
+            if group is not None:
+                tensor_parallel.shard(model, group)
             self.model, self.runner = model, self._runner(model)
         except Exception as e:
             self.loop.call_soon_threadsafe(self.loaded.set_exception, e)
@@ -59,14 +67,17 @@ class MlxThread(threading.Thread):
         follow_s = FOLLOW_S if self.shell.cfg.scheduler.overlap else 0.0
         pipeline = Pipeline(self)
         while True:
+            self.watchdog.waiting(not pipeline.busy)
             try:
                 batch = self.inbox.get(timeout=follow_s if pipeline.busy else self.stats.interval)
             except queue.Empty:
+                self.watchdog.waiting(False)
                 if pipeline.busy:
                     pipeline.flush()
                 else:
                     self.stats.maybe_report()
                 continue
+            self.watchdog.waiting(False)
             if batch is _STOP:
                 pipeline.flush()
                 self.stats.maybe_report(final=True)  # the last stretch, however short
@@ -78,7 +89,9 @@ class MlxThread(threading.Thread):
         self.runner = self._runner(self.model)
 
     def send(self, result: m.StepResult, started: float) -> None:
-        self.loop.call_soon_threadsafe(self.shell.send_now, "scheduler", result)
+        self.watchdog.beat()
+        if self.rank == 0:  # the other ranks computed the same result
+            self.loop.call_soon_threadsafe(self.shell.send_now, "scheduler", result)
         # Launched steps overlap: count each stretch of wall time once.
         now = time.perf_counter()
         self.stats.step(now - max(started, self.last_sent), len(result.tokens))
@@ -128,11 +141,35 @@ async def tell_layers(shell: Shell, kinds: list[str]) -> None:
     await shell.send("scheduler", m.ModelLayers(kinds=kinds))
 
 
+async def watch_steps(shell: Shell, mlx: MlxThread) -> None:
+    """A rank stuck in a step (a peer died or hung inside a collective) dies loudly, so the
+    launcher stops the graph and every open request gets its error. Its MLX thread cannot be
+    interrupted there: the process exits without it."""
+    while True:
+        await asyncio.sleep(min(1.0, mlx.watchdog.timeout_s / 4))
+        late = mlx.watchdog.stalled_for()
+        if late:
+            message = (f"rank {mlx.rank} stalled: no step finished for {late:.1f} s "
+                       f"(runner.step_timeout_s = {mlx.watchdog.timeout_s:g})")
+            shell.log.error("runner.stalled", rank=mlx.rank, seconds=round(late, 1))
+            try:
+                await asyncio.wait_for(
+                    shell.send("launcher", m.ActorFailed(actor=shell.name, message=message)), 1.0)
+            finally:
+                os._exit(1)
+
+
 async def serve(shell: Shell) -> None:
     inbox = shell.bind_inbox(m.RunnerInbox)
     mlx = MlxThread(shell, asyncio.get_running_loop())
     mlx.start()
     await mlx.loaded
+    tp = shell.cfg.runner.tp
+    others = rank_names(tp)[1:] if mlx.rank == 0 else []
+    watch = None
+    if tp > 1:
+        shell.log.info("runner.rank", rank=mlx.rank, tp=tp, backend=shell.cfg.runner.backend)
+        watch = asyncio.ensure_future(watch_steps(shell, mlx))
     # What the CPU patches did (cpu/__init__.py): the BLAS in use, the flags, the counts.
     installed = mlx.runner.cpu
     shell.log.info("runner.blas", **installed.log_fields())
@@ -140,23 +177,30 @@ async def serve(shell: Shell) -> None:
     if installed.weights.missing:
         shell.log.warning("runner.kernels_missing", reason=installed.weights.missing,
                           fallback="jit")
-    await tell_layers(shell, mlx.runner.layers.kinds)
+    if mlx.rank == 0:
+        await tell_layers(shell, mlx.runner.layers.kinds)
     plan = installed.weights
     await shell.ready(model=shell.model.name,
                       weights=", ".join(f"{k}: {p.strategy}" for k, p in plan.kinds.items()),
                       resident_bytes=str(sum(p.resident_bytes for p in plan.kinds.values())))
     try:
         while True:
-            for msg in await inbox.recv_all():
+            frames = await inbox.recv_frames()
+            for frame in frames:  # the other ranks first, in the order received
+                for name in others:
+                    shell.send_now(name, frame)
+            for msg in map(inbox.dec.decode, frames):
                 match msg:
                     case m.ForwardBatch():
                         mlx.inbox.put(msg)
                     case m.Shutdown():
                         return
     finally:
+        if watch is not None:
+            watch.cancel()
         mlx.inbox.put(_STOP)
         await asyncio.to_thread(mlx.join, 5.0)
 
 
-def main(cfg, addrs, model) -> None:
-    run_actor("runner", cfg, addrs, model, serve)
+def main(cfg, addrs, model, name: str = "runner") -> None:
+    run_actor(name, cfg, addrs, model, serve)

@@ -12,8 +12,9 @@ def preflight(cfg) -> None:
     blas.find(cfg.runtime.blas)
 
 
-def main(cfg, addrs, model) -> None:
+def main(cfg, addrs, model, name: str = "runner") -> None:
+    """`name`: "runner", or "runner-K" for rank K of a tensor-parallel runner."""
     blas.load(cfg.runtime.blas)
     from actors.model_runner.actor import main as run
 
-    run(cfg, addrs, model)
+    run(cfg, addrs, model, name)
