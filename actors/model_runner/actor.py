@@ -85,7 +85,14 @@ class MlxThread(threading.Thread):
             pipeline.launch(batch)
 
     def reset(self) -> None:
-        """The runner's memory may be half-updated: drop every row's state."""
+        """The runner's memory may be half-updated: drop every row's state. With tensor
+        parallelism the ranks may no longer agree (a lost peer, a failure on one rank only),
+        so the rank dies instead and the graph stops."""
+        if self.shell.cfg.runner.tp > 1:
+            message = f"rank {self.rank}: a step failed, the ranks may disagree"
+            self.loop.call_soon_threadsafe(lambda: asyncio.ensure_future(die(self.shell,
+                                                                            message)))
+            return
         self.runner = self._runner(self.model)
 
     def send(self, result: m.StepResult, started: float) -> None:
@@ -149,14 +156,20 @@ async def watch_steps(shell: Shell, mlx: MlxThread) -> None:
         await asyncio.sleep(min(1.0, mlx.watchdog.timeout_s / 4))
         late = mlx.watchdog.stalled_for()
         if late:
-            message = (f"rank {mlx.rank} stalled: no step finished for {late:.1f} s "
-                       f"(runner.step_timeout_s = {mlx.watchdog.timeout_s:g})")
             shell.log.error("runner.stalled", rank=mlx.rank, seconds=round(late, 1))
-            try:
-                await asyncio.wait_for(
-                    shell.send("launcher", m.ActorFailed(actor=shell.name, message=message)), 1.0)
-            finally:
-                os._exit(1)
+            await die(shell, f"rank {mlx.rank} stalled: no step finished for {late:.1f} s "
+                             f"(runner.step_timeout_s = {mlx.watchdog.timeout_s:g})")
+
+
+async def die(shell: Shell, message: str) -> None:
+    """Tell the launcher why, then exit at once: the MLX thread may be blocked in a
+    collective, where nothing can stop it."""
+    shell.log.error("runner.rank_failed", error=message)
+    try:
+        await asyncio.wait_for(
+            shell.send("launcher", m.ActorFailed(actor=shell.name, message=message)), 1.0)
+    finally:
+        os._exit(1)
 
 
 async def serve(shell: Shell) -> None:

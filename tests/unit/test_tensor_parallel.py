@@ -1,0 +1,101 @@
+"""The parts of tensor parallelism that need no second process: the [runner] config, the ranks'
+addresses, the per-rank KV share, the stall watchdog and the shard refusal."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from actors.model_runner import tensor_parallel
+from models.info import ModelInfo
+from models.sizing import kv_bytes_per_token, kv_capacity
+from protocol.config import ConfigError, load_config
+from protocol.transport import derive_addresses, ipc_files, rank_names
+
+
+def cfg(*sets: str):
+    return load_config(None, list(sets))
+
+
+def test_runner_config_checks_hosts_and_ports():
+    assert cfg().runner.tp == 1
+    with pytest.raises(ConfigError, match=r"runner.hosts: one IP per rank, got 1 for tp = 2"):
+        cfg("runner.tp=2", 'runner.hosts=["10.0.0.1"]')
+    with pytest.raises(ConfigError, match="several machines need a fixed first port"):
+        cfg("runner.tp=2", 'runner.hosts=["10.0.0.1", "10.0.0.2"]')
+    with pytest.raises(ConfigError, match=r"ports 65535\.\.65536"):
+        cfg("runner.tp=2", "runner.port=65535")
+    with pytest.raises(ConfigError, match=r"\$\.runner\.backend"):
+        cfg("runner.backend=nccl")
+    assert cfg("runner.tp=2", 'runner.hosts=["10.0.0.1", "10.0.0.2"]',
+               "runner.port=5000").runner.hosts == ["10.0.0.1", "10.0.0.2"]
+
+
+def test_one_machine_ranks_get_ipc_inboxes_and_distinct_free_ring_ports(tmp_path):
+    addrs = derive_addresses(cfg("runner.tp=3"), str(tmp_path))
+    assert rank_names(3) == ["runner", "runner-1", "runner-2"]
+    assert addrs.inbox("runner-2") == f"ipc://{tmp_path}/runner-2"
+    assert addrs.inbox("runner") == f"ipc://{tmp_path}/runner"
+    hosts = {e.rsplit(":", 1)[0] for e in addrs.ring}
+    ports = {int(e.rsplit(":", 1)[1]) for e in addrs.ring}
+    assert hosts == {"127.0.0.1"} and len(ports) == 3 and 0 not in ports
+    assert {p.name for p in ipc_files(addrs)} >= {"runner-1", "runner-2"}
+    assert derive_addresses(cfg(), str(tmp_path)).ranks == []
+
+
+def test_ranks_on_several_machines_listen_on_fixed_ports(tmp_path):
+    c = cfg("runner.tp=2", 'runner.hosts=["10.0.0.1", "fd00::2"]', "runner.port=6000")
+    addrs = derive_addresses(c, str(tmp_path))
+    assert addrs.ring == ["10.0.0.1:6000", "[fd00::2]:6001"]
+    assert addrs.ranks == ["tcp://[fd00::2]:6003"]  # port + tp + rank
+    assert all(p.name != "runner-1" for p in ipc_files(addrs))
+
+
+def test_each_rank_accounts_its_share_of_the_kv_heads():
+    info = ModelInfo(path="/m", name="m", context_length=4096, eos_ids=[1], vocab_size=10,
+                     model_type="qwen3", kv_bytes_per_token=8192, kv_value_bytes=2)
+    assert kv_bytes_per_token(cfg("runner.tp=2"), info) == 4096
+    assert kv_bytes_per_token(cfg("runner.tp=2", "runtime.activations=float32"), info) == 8192
+    # On one machine the ranks split its memory too: the same tokens as one rank.
+    one = kv_capacity(cfg("memory.kv_fraction=0.01"), info)
+    assert kv_capacity(cfg("memory.kv_fraction=0.01", "runner.tp=2"), info) in (one - 1, one)
+
+
+def test_rank_of_names():
+    assert [tensor_parallel.rank_of(n) for n in rank_names(4)] == [0, 1, 2, 3]
+
+
+def test_watchdog_flags_only_a_busy_rank_past_its_timeout():
+    dog = tensor_parallel.Watchdog(timeout_s=5.0)
+    start = dog.beat_at
+    assert dog.stalled_for(start + 100) == 0.0  # idle: waiting for work is not a stall
+    dog.waiting(False)
+    busy_from = dog.beat_at
+    assert dog.stalled_for(busy_from + 4.9) == 0.0
+    assert dog.stalled_for(busy_from + 6.0) == pytest.approx(6.0)
+    dog.beat()  # a step finished: the clock starts again
+    assert dog.stalled_for(dog.beat_at + 4.9) == 0.0
+
+
+@dataclasses.dataclass
+class _Group:
+    n: int
+
+    def size(self) -> int:
+        return self.n
+
+
+class NoShard:
+    pass
+
+
+def test_a_model_class_without_shard_is_refused_by_name():
+    with pytest.raises(ValueError, match=r"runner.tp = 2: the model class "
+                                         r"tests.unit.test_tensor_parallel.NoShard has no shard"):
+        tensor_parallel.shard(NoShard(), _Group(2))
+
+
+def test_tp1_joins_no_group(tmp_path):
+    c = cfg()
+    assert tensor_parallel.join(c, derive_addresses(c, str(tmp_path)), 0) is None
