@@ -105,7 +105,8 @@ class _Sinks:
         raise structlog.DropEvent
 
 
-def configure_logging(cfg: LogConfig, actor: str) -> None:
+def configure_logging(cfg: LogConfig, actor: str, **fixed: Any) -> None:
+    """`fixed`: fields every record of this process carries besides actor and pid."""
     structlog.reset_defaults()
     pid = os.getpid()
 
@@ -113,6 +114,8 @@ def configure_logging(cfg: LogConfig, actor: str) -> None:
         # Not contextvars: threads (the runner's MLX thread) do not inherit them.
         event.setdefault("actor", actor)
         event.setdefault("pid", pid)
+        for key, value in fixed.items():
+            event.setdefault(key, value)
         return event
 
     structlog.configure(

@@ -26,12 +26,14 @@ from protocol import messages as m
 from protocol.codec import decoder, encode
 from protocol.config import Config
 from models.info import ModelInfo
-from protocol.transport import Addresses, pull_socket, push_socket
+from protocol.transport import Addresses, actor_name, parse_name, pull_socket, push_socket
 
 
 class Shell:
     def __init__(self, name: str, cfg: Config, addrs: Addresses, model: ModelInfo):
         self.name, self.cfg, self.addrs, self.model = name, cfg, addrs, model
+        # Data-parallel replica and tensor-parallel rank (both 0 unless configured).
+        _, self.replica, self.rank = parse_name(name)
         self.log = get_logger()
         self.zctx = zmq.asyncio.Context()
         self._pushes: dict[str, zmq.asyncio.Socket] = {}
@@ -41,6 +43,8 @@ class Shell:
         return Inbox(pull_socket(self.zctx, self.addrs.inbox(self.name)), decoder(union))
 
     def _push(self, peer: str) -> zmq.asyncio.Socket:
+        if peer in ("scheduler", "runner"):  # a replica's scheduler and runner talk in pairs
+            peer = actor_name(peer, self.replica)
         sock = self._pushes.get(peer)
         if sock is None:
             sock = self._pushes[peer] = push_socket(self.zctx, self.addrs.inbox(peer))
@@ -104,7 +108,11 @@ def run_actor(name: str, cfg: Config, addrs: Addresses, model: ModelInfo,
               body: Callable[[Shell], Awaitable[None]]) -> None:
     """Entry point of every actor process."""
     set_title(f"mas-{name}")
-    configure_logging(cfg.log, name)
+    base, replica, _ = parse_name(name)
+    # With data parallelism every record of a replica's actors says which replica it is.
+    fixed = {"replica": replica} if cfg.scheduler.dp > 1 and base in ("scheduler", "runner") \
+        else {}
+    configure_logging(cfg.log, name, **fixed)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     code = asyncio.run(_main(name, cfg, addrs, model, body))
     sys.exit(code)

@@ -28,7 +28,7 @@ from models.info import ModelInfo
 from protocol import messages as m
 from protocol.codec import decoder, encode
 from protocol.config import Config
-from protocol.transport import Addresses, pull_socket, push_socket, rank_names
+from protocol.transport import Addresses, pull_socket, push_socket, graph_actors, parse_name
 
 def _entries() -> dict[str, Callable]:
     from actors.detokenizer.actor import main as detokenizer
@@ -40,11 +40,6 @@ def _entries() -> dict[str, Callable]:
             "tokenizer": tokenizer}
 
 
-def actor_names(cfg: Config) -> list[str]:
-    """Every actor process of the graph in stop order: the tokenizer first (it refuses new
-    requests, drains open ones up to the deadline, then answers the rest with an error), then
-    scheduler, the runner's ranks, detokenizer."""
-    return ["tokenizer", "scheduler", *rank_names(cfg.runner.tp), "detokenizer"]
 ROTATE_EVERY_S = 1.0  # writers look for a rotation twice as often (actors/logs.py CHECK_S)
 
 
@@ -122,9 +117,9 @@ class Supervisor:
     def _spawn(self) -> None:
         ctx = mp.get_context("spawn")
         entries = _entries()
-        for name in actor_names(self.cfg):
-            entry = entries[name.split("-")[0]]
-            extra = (name,) if name.startswith("runner-") else ()
+        for name in graph_actors(self.cfg):
+            entry = entries[parse_name(name)[0]]
+            extra = () if name in entries else (name,)
             proc = ctx.Process(target=entry, args=(self.cfg, self.addrs, self.model, *extra),
                                name=f"mas-{name}", daemon=False)
             proc.start()
@@ -194,7 +189,7 @@ class Supervisor:
 
     async def _shutdown(self, reason: str, drain: bool) -> None:
         self.log.info("launch.shutdown", reason=reason, drain=drain)
-        for name in actor_names(self.cfg):
+        for name in graph_actors(self.cfg):
             proc = self.procs.get(name)
             if proc is None or not proc.is_alive():
                 continue

@@ -133,6 +133,10 @@ class SchedulerConfig(Section):
     # KV slots a request must find free beyond its prompt to be admitted (capped by its
     # max_new_tokens); decode beyond that is covered by retracting the least advanced request.
     output_reserve_tokens: Annotated[int, Meta(ge=0)] = 64
+    # Data parallel: this many scheduler + model-runner pairs (each runner.tp ranks) behind the
+    # one tokenizer and detokenizer. The tokenizer sends a request to the replica that holds
+    # the longest cached prefix of it, else to the least loaded (actors/tokenizer/router.py).
+    dp: Annotated[int, Meta(ge=1, le=64)] = 1
 
 
 class RuntimeConfig(Section):

@@ -281,6 +281,7 @@ class TokenBatch(Wire, tag=_tag("TokenBatch")):
     stops: dict[str, list[str]] = {}
     running: int = 0  # the scheduler's running and queued requests, for /metrics
     queued: int = 0
+    replica: int = 0  # which scheduler (scheduler.dp) sent it
 
 
 class TextBatch(Wire, tag=_tag("TextBatch")):
@@ -296,6 +297,7 @@ class TextBatch(Wire, tag=_tag("TextBatch")):
     top_logprobs: list[list[float]] = []
     running: int = 0
     queued: int = 0
+    replica: int = 0
 
 
 class Ready(Wire, tag=_tag("Ready")):

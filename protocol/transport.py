@@ -28,20 +28,36 @@ class Addresses(msgspec.Struct, frozen=True):
     detokenizer: str
     launcher: str
     client: str  # the tokenizer's ROUTER endpoint; port 0 means "any free port"
-    # Tensor parallel (runner.tp > 1): the inboxes of ranks 1.. (actors "runner-1", ...), and
-    # the ring backend's "ip:port" of every rank, rank 0 first.
-    ranks: list[str] = []
-    ring: list[str] = []
+    # The inboxes of the other actors by name: data-parallel replicas ("scheduler.1",
+    # "runner.1") and tensor-parallel ranks ("runner-1", "runner.1-1"); see actor_name().
+    extra: dict[str, str] = {}
+    # runner.tp > 1: per replica, the ring backend's "ip:port" of every rank, rank 0 first.
+    ring: list[list[str]] = []
 
     def inbox(self, actor: str) -> str:
-        if actor.startswith("runner-"):
-            return self.ranks[int(actor[len("runner-"):]) - 1]
-        return getattr(self, actor)
+        return self.extra[actor] if actor in self.extra else getattr(self, actor)
 
 
-def rank_names(tp: int) -> list[str]:
-    """The actor names of the model runner's ranks: "runner" is rank 0."""
-    return ["runner"] + [f"runner-{k}" for k in range(1, tp)]
+def actor_name(base: str, replica: int = 0, rank: int = 0) -> str:
+    """An actor's name: "scheduler" and "runner" for replica 0 and rank 0, "scheduler.2" for
+    replica 2 (scheduler.dp), "runner.2-1" for rank 1 of that replica's runner (runner.tp)."""
+    name = base if replica == 0 else f"{base}.{replica}"
+    return name if rank == 0 else f"{name}-{rank}"
+
+
+def parse_name(name: str) -> tuple[str, int, int]:
+    """actor_name's inverse: (base, replica, rank)."""
+    rest, _, rank = name.partition("-")
+    base, _, replica = rest.partition(".")
+    return base, int(replica or 0), int(rank or 0)
+
+
+def graph_actors(cfg: Config) -> list[str]:
+    """Every actor process of the graph, in stop order: the tokenizer first, then each
+    replica's scheduler, each replica's runner ranks, the detokenizer."""
+    dp, tp = cfg.scheduler.dp, cfg.runner.tp
+    return ["tokenizer", *[actor_name("scheduler", r) for r in range(dp)],
+            *[actor_name("runner", r, k) for r in range(dp) for k in range(tp)], "detokenizer"]
 
 
 def derive_addresses(cfg: Config, ipc_dir: str | None = None) -> Addresses:
@@ -49,25 +65,32 @@ def derive_addresses(cfg: Config, ipc_dir: str | None = None) -> Addresses:
     folder = ipc_dir or cfg.server.ipc_dir or tempfile.mkdtemp(prefix="mas-", dir="/tmp")
     Path(folder).mkdir(parents=True, exist_ok=True)
     ipc = {name: f"ipc://{os.path.join(folder, name)}" for name in (*ACTORS, "launcher")}
-    ranks, ring = _tp_addresses(cfg, folder)
+    extra = {name: f"ipc://{os.path.join(folder, name)}" for name in graph_actors(cfg)
+             if name not in ACTORS}
+    ring = []
+    for r in range(cfg.scheduler.dp):
+        inboxes, endpoints = _tp_addresses(cfg, r)
+        extra.update(inboxes)
+        ring.append(endpoints)
     return Addresses(ipc_dir=folder, client=f"tcp://{cfg.server.host}:{cfg.server.port}",
-                     ranks=ranks, ring=ring, **ipc)
+                     extra=extra, ring=ring if cfg.runner.tp > 1 else [], **ipc)
 
 
-def _tp_addresses(cfg: Config, folder: str) -> tuple[list[str], list[str]]:
-    """Rank inboxes and ring endpoints. On one machine the inboxes are ipc:// and the ring's
-    ports free ones unless runner.port fixes them; across machines rank k listens on
-    runner.port + k for the ring and binds its inbox on runner.port + tp + k."""
+def _tp_addresses(cfg: Config, replica: int) -> tuple[dict[str, str], list[str]]:
+    """Replica `replica`'s remote rank inboxes and ring endpoints. On one machine the inboxes
+    stay ipc:// and the ring's ports are free ones unless runner.port fixes them; across
+    machines rank k of replica r listens on runner.port + 2 tp r + k for the ring and binds
+    its inbox on runner.port + 2 tp r + tp + k."""
     run = cfg.runner
     if run.tp == 1:
-        return [], []
+        return {}, []
     hosts = run.hosts or ["127.0.0.1"] * run.tp
-    if run.on_one_host():
-        ranks = [f"ipc://{os.path.join(folder, f'runner-{k}')}" for k in range(1, run.tp)]
-    else:
-        ranks = [f"tcp://{_host(hosts[k])}:{run.port + run.tp + k}" for k in range(1, run.tp)]
-    ports = [run.port + k for k in range(run.tp)] if run.port else free_ports(hosts[0], run.tp)
-    return ranks, [f"{_host(h)}:{p}" for h, p in zip(hosts, ports)]
+    first = run.port + 2 * run.tp * replica
+    inboxes = {} if run.on_one_host() else {
+        actor_name("runner", replica, k): f"tcp://{_host(hosts[k])}:{first + run.tp + k}"
+        for k in range(1, run.tp)}
+    ports = [first + k for k in range(run.tp)] if run.port else free_ports(hosts[0], run.tp)
+    return inboxes, [f"{_host(h)}:{p}" for h, p in zip(hosts, ports)]
 
 
 def _host(ip: str) -> str:
@@ -90,7 +113,7 @@ def free_ports(host: str, n: int) -> list[int]:
 
 def ipc_files(addrs: Addresses) -> list[Path]:
     inboxes = (addrs.tokenizer, addrs.scheduler, addrs.runner, addrs.detokenizer, addrs.launcher,
-               *addrs.ranks)
+               *addrs.extra.values())
     return [Path(a[len("ipc://"):]) for a in inboxes if a.startswith("ipc://")]
 
 

@@ -17,7 +17,7 @@ from actors.model_runner.loading import load_model
 from actors.model_runner.pipeline import Pipeline
 from actors.model_runner.runner import ModelRunner
 from actors.shell import Shell, run_actor
-from protocol.transport import rank_names
+from protocol.transport import actor_name
 from models.sizing import kv_capacity, state_capacity
 from protocol import messages as m
 
@@ -32,7 +32,7 @@ class MlxThread(threading.Thread):
         self.inbox: queue.Queue = queue.Queue()
         self.loaded = loop.create_future()
         self.last_sent = 0.0
-        self.rank = tensor_parallel.rank_of(shell.name)  # only rank 0 sends results
+        self.rank = shell.rank  # only rank 0 sends results
         self.watchdog = tensor_parallel.Watchdog(shell.cfg.runner.step_timeout_s)
 
     def _runner(self, model) -> ModelRunner:
@@ -52,7 +52,8 @@ class MlxThread(threading.Thread):
 
     def run(self) -> None:
         try:
-            group = tensor_parallel.join(self.shell.cfg, self.shell.addrs, self.rank)
+            group = tensor_parallel.join(self.shell.cfg, self.shell.addrs, self.shell.replica,
+                                         self.rank)
             model = load_model(self.shell.model.path)
             if group is not None:
                 tensor_parallel.shard(model, group)
@@ -178,7 +179,8 @@ async def serve(shell: Shell) -> None:
     mlx.start()
     await mlx.loaded
     tp = shell.cfg.runner.tp
-    others = rank_names(tp)[1:] if mlx.rank == 0 else []
+    others = [actor_name("runner", shell.replica, k) for k in range(1, tp)] if mlx.rank == 0 \
+        else []
     watch = None
     if tp > 1:
         shell.log.info("runner.rank", rank=mlx.rank, tp=tp, backend=shell.cfg.runner.backend)

@@ -1,8 +1,8 @@
 """Tensor parallelism (`runner.tp` > 1): the model-runner actor as tp ranks of one
 mlx.distributed group, each holding 1/tp of every sharded layer.
 
-Rank 0 ("runner") is the actor the scheduler talks to. It hands every frame of its inbox, as
-received, to the other ranks ("runner-1", ...) before it runs the batch itself, so all ranks
+Rank 0 ("runner", "runner.R" for data-parallel replica R) is the actor the scheduler talks
+to. It hands every frame of its inbox, as received, to the other ranks ("runner-1", ...) before it runs the batch itself, so all ranks
 apply the same ops, resolve the same futures from their own token buffers and run the same
 forward; the collectives inside the sharded layers (mlx-lm's `shard()`) give every rank the
 same hidden states, hence the same logits and, with the same per-row seeds, the same tokens.
@@ -25,12 +25,7 @@ from protocol.config import Config
 from protocol.transport import Addresses
 
 
-def rank_of(name: str) -> int:
-    """The rank of the runner actor called `name` ("runner" is 0, "runner-2" is 2)."""
-    return int(name[len("runner-"):]) if name.startswith("runner-") else 0
-
-
-def join(cfg: Config, addrs: Addresses, rank: int):
+def join(cfg: Config, addrs: Addresses, replica: int, rank: int):
     """This process's mlx.distributed group (None when tp = 1). Blocks until every rank has
     joined. Call it on the MLX thread, before the model is loaded."""
     import mlx.core as mx
@@ -43,7 +38,7 @@ def join(cfg: Config, addrs: Addresses, rank: int):
         # mlx's ring backend reads a JSON list of each rank's endpoints from a file.
         fd, path = tempfile.mkstemp(prefix="mas-ring-", suffix=".json")
         with os.fdopen(fd, "w") as f:
-            json.dump([[endpoint] for endpoint in addrs.ring], f)
+            json.dump([[endpoint] for endpoint in addrs.ring[replica]], f)
         os.environ["MLX_HOSTFILE"] = path
     try:
         group = mx.distributed.init(strict=True, backend=cfg.runner.backend)

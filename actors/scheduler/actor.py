@@ -119,7 +119,8 @@ class SchedulerActor:
             self._log_endings(out)
             if out:
                 await self.shell.send("detokenizer", out.to_batch(
-                    running=len(self.core.running), queued=len(self.core.queue)))
+                    running=len(self.core.running), queued=len(self.core.queue),
+                    replica=self.shell.replica))
             self._log_cache()
             self._check_idle()
 
@@ -194,5 +195,6 @@ async def serve(shell: Shell) -> None:
     await SchedulerActor(shell).serve()
 
 
-def main(cfg, addrs, model) -> None:
-    run_actor("scheduler", cfg, addrs, model, serve)
+def main(cfg, addrs, model, name: str = "scheduler") -> None:
+    """`name`: "scheduler", or "scheduler.R" for data-parallel replica R."""
+    run_actor(name, cfg, addrs, model, serve)

@@ -24,7 +24,7 @@ class Outputs:
     def __bool__(self) -> bool:
         return bool(self.tokens or self.finished)
 
-    def to_batch(self, running: int = 0, queued: int = 0) -> m.TokenBatch:
+    def to_batch(self, running: int = 0, queued: int = 0, replica: int = 0) -> m.TokenBatch:
         rids = list(self.tokens)
         flat = [t for rid in rids for t in self.tokens[rid]]
         lps: list[float] = []
@@ -40,7 +40,7 @@ class Outputs:
         return m.TokenBatch(rids=rids, counts=[len(self.tokens[r]) for r in rids],
                             token_ids=pack_ids(flat), finished=self.finished, logprobs=lps,
                             top_ids=top_ids, top_logprobs=top_lps, stops=self.stops,
-                            running=running, queued=queued)
+                            running=running, queued=queued, replica=replica)
 
     def merge(self, other: "Outputs") -> None:
         for rid, toks in other.tokens.items():

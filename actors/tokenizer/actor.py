@@ -11,22 +11,25 @@ import zmq.asyncio
 from zmq.utils.monitor import recv_monitor_message
 
 from actors.shell import Shell, run_actor
-from actors.tokenizer.frontend import Frontend, Reply
+from actors.tokenizer.frontend import Frontend, Outbound, Reply
 from actors.tokenizer.http_front import HTTP_CLIENT, PROBE_PREFIX, HttpFront
 from models.tokenizer import load_tokenizer
 from actors.tokenizer.metrics import Metrics
+from actors.tokenizer.router import Router
 from protocol import messages as m
 from protocol.codec import encode
 from protocol.config import ServerConfig
-from protocol.transport import bind_tcp, curve_server, is_loopback
+from protocol.transport import actor_name, bind_tcp, curve_server, is_loopback
 
 
 class TokenizerActor:
     def __init__(self, shell: Shell):
         self.shell, self.log = shell, shell.log
         server = shell.cfg.server
+        sched = shell.cfg.scheduler
+        router = Router(sched.dp, slack=max(1, sched.max_running_requests // 2))
         self.front = Frontend(load_tokenizer(shell.model.path), shell.model, shell.log,
-                              shell.cfg.limits, api_key=server.api_key)
+                              shell.cfg.limits, api_key=server.api_key, router=router)
         self.inbox = shell.bind_inbox(m.TokenizerInbox)
         self.router = shell.zctx.socket(zmq.ROUTER)
         self.router.setsockopt(zmq.LINGER, 0)
@@ -94,14 +97,18 @@ class TokenizerActor:
                 if (frames := self._recv_client()) is None:
                     break
                 replies, forward = self.front.on_client(frames, time.monotonic())
-                for msg in forward:
-                    await self.shell.send("scheduler", msg)
+                self.to_schedulers(forward)
                 await self._reply(replies)
+
+    def to_schedulers(self, forward: list[Outbound]) -> None:
+        """Each message to its replica's scheduler (PUSH with no high-water mark never
+        blocks)."""
+        for replica, data in forward:
+            self.shell.send_now(actor_name("scheduler", replica), data)
 
     async def _abort_gone(self) -> None:
         for identity in self.peers.gone():
-            for msg in self.front.client_gone(identity):
-                await self.shell.send("scheduler", msg)
+            self.to_schedulers(self.front.client_gone(identity))
 
     def _recv_client(self) -> list[bytes] | None:
         try:
@@ -119,7 +126,7 @@ class TokenizerActor:
             for msg in await self.inbox.recv_all():
                 match msg:
                     case m.TextBatch():
-                        self.metrics.scheduler_load(msg.running, msg.queued)
+                        self.metrics.scheduler_load(msg.running, msg.queued, msg.replica)
                         await self._reply(self.front.on_text(msg, time.monotonic()))
                     case m.Shutdown():
                         stop = stop or msg

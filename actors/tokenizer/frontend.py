@@ -21,11 +21,13 @@ import structlog
 
 from models.info import ModelInfo
 from actors.tokenizer.intake import RequestError, check_request, decode_frame
+from actors.tokenizer.router import Router
 from protocol import messages as m
 from protocol.codec import encode, pack_ids, split_counts, unpack_ids
 from protocol.config import LimitsConfig
 
 Reply = tuple[bytes, m.ClientWire]  # (client identity, message)
+Outbound = tuple[int, bytes]  # (replica, encoded message for that replica's scheduler)
 
 
 @dataclass
@@ -36,6 +38,8 @@ class Open:
     stream: bool
     prompt_tokens: int
     received: float
+    replica: int = 0  # the data-parallel replica running it (router.py)
+    group: str = ""
     first_token: float = 0.0
     texts: list[str] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
@@ -46,8 +50,10 @@ class Open:
 
 class Frontend:
     def __init__(self, tokenizer: Any, model: ModelInfo, log: Any = None,
-                 limits: LimitsConfig = LimitsConfig(), api_key: str = ""):
+                 limits: LimitsConfig = LimitsConfig(), api_key: str = "",
+                 router: Router | None = None):
         self.tokenizer, self.model, self.limits = tokenizer, model, limits
+        self.router = router or Router(1)
         self.api_key = api_key.encode()  # ZMQ requests must carry it (HTTP checks a header)
         self.internal_errors = 0  # requests failed by a bug of ours (/metrics)
         self.log = log or structlog.get_logger()
@@ -61,14 +67,14 @@ class Frontend:
 
     # -- from clients ------------------------------------------------------------------------
 
-    def on_client(self, frames: list[bytes], now: float) -> tuple[list[Reply], list[bytes]]:
+    def on_client(self, frames: list[bytes], now: float) -> tuple[list[Reply], list[Outbound]]:
         """One ROUTER message -> (replies to clients, encoded messages for the scheduler)."""
         try:
             return self._on_client(frames, now)
         except Exception as e:  # a bug of ours: this frame fails, the actor keeps serving
             return self._internal_error(frames[0], "", "", e)
 
-    def _on_client(self, frames: list[bytes], now: float) -> tuple[list[Reply], list[bytes]]:
+    def _on_client(self, frames: list[bytes], now: float) -> tuple[list[Reply], list[Outbound]]:
         identity, payload = frames[0], frames[1:]
         if len(payload) != 1:
             return self._reject(identity, "", "malformed message: expected 1 payload frame, "
@@ -96,29 +102,29 @@ class Frontend:
         return None
 
     def _reject(self, identity: bytes, req_id: str, message: str, code: int = 400,
-                peer: str = "") -> tuple[list[Reply], list[bytes]]:
+                peer: str = "") -> tuple[list[Reply], list[Outbound]]:
         # The peer, never the prompt: logs must not carry what clients sent.
         self.log.warning("request.rejected", req_id=req_id[:64], error=message[:300], code=code,
                          peer=peer or identity.hex())
         return [(identity, m.ErrorReply(req_id=req_id, message=message, code=code))], []
 
-    def client_gone(self, identity: bytes) -> list[m.Abort]:
+    def client_gone(self, identity: bytes) -> list[Outbound]:
         """The connection of a ZMQ client closed: abort what it left open (no one is left to
         read the replies)."""
         return [a for who, req_id in list(self.by_client) if who == identity
                 for a in self.abort(who, req_id, "request.client_gone")]
 
-    def abort(self, identity: bytes, req_id: str, event: str) -> list[bytes]:
-        """The client's open request req_id, if any, as an Abort for the scheduler (logged as
+    def abort(self, identity: bytes, req_id: str, event: str) -> list[Outbound]:
+        """The client's open request req_id, if any, as an Abort for its scheduler (logged as
         `event`); the request stays open until the scheduler's terminal reply."""
         rid = self.by_client.get((identity, req_id))
         if not rid:
             return []
         self.log.info(event, rid=rid, req_id=req_id)
-        return [encode(m.Abort(rid=rid))]
+        return [(self.open[rid].replica, encode(m.Abort(rid=rid)))]
 
     def submit(self, identity: bytes, req: m.GenerateRequest, now: float,
-               peer: str = "") -> tuple[list[Reply], list[bytes]]:
+               peer: str = "") -> tuple[list[Reply], list[Outbound]]:
         """A decoded request from any front end (ZMQ, HTTP) -> a refusal, or the encoded
         TokenizedRequest of a request now open."""
         try:
@@ -130,7 +136,7 @@ class Frontend:
             return self._internal_error(identity, req.req_id, peer, e)
 
     def _internal_error(self, identity: bytes, req_id: str, peer: str,
-                        e: Exception) -> tuple[list[Reply], list[bytes]]:
+                        e: Exception) -> tuple[list[Reply], list[Outbound]]:
         self.internal_errors += 1
         self.log.warning("request.internal_error", req_id=req_id[:64],
                          peer=peer or identity.hex(), error=repr(e)[:300], exc_info=True)
@@ -138,7 +144,7 @@ class Frontend:
                                         f"{type(e).__name__}", code=500))], []
 
     def _open(self, identity: bytes, req: m.GenerateRequest,
-              now: float) -> tuple[list[Reply], list[bytes]]:
+              now: float) -> tuple[list[Reply], list[Outbound]]:
         if not self.accepting:
             raise RequestError(self.refusal, 503)
         if not req.req_id:
@@ -156,11 +162,15 @@ class Frontend:
         # Encoded before the request is registered: nothing after this line can fail.
         data = encode(m.TokenizedRequest(rid=rid, input_ids=pack_ids(ids),
                                          params=sampling_params(req), group=group))
-        self.open[rid] = Open(rid, identity, req.req_id, req.stream, len(ids), now)
+        route = self.router.route(ids, group)
+        self.open[rid] = Open(rid, identity, req.req_id, req.stream, len(ids), now,
+                              replica=route.replica, group=group)
         self.by_client[(identity, req.req_id)] = rid
+        where = {"replica": route.replica, "routed_by": route.reason,
+                 "routed_prefix_tokens": route.matched} if self.router.replicas > 1 else {}
         self.log.info("request.received", rid=rid, req_id=req.req_id, prompt_tokens=len(ids),
-                      max_new_tokens=req.max_new_tokens, stream=req.stream)
-        return [], [data]
+                      max_new_tokens=req.max_new_tokens, stream=req.stream, **where)
+        return [], [(route.replica, data)]
 
     def _check_params(self, req: m.GenerateRequest) -> None:
         """What the schema cannot say: ids against this model's vocabulary, and relations
@@ -236,8 +246,10 @@ class Frontend:
             if req is None:
                 continue
             self.by_client.pop((req.identity, req.req_id), None)
+            self.router.done(req.replica, req.group)
             replies.append((req.identity, self._final(req, fin, now)))
-            self.log.info("request.finished", rid=fin.rid, reason=fin.reason,
+            where = {"replica": req.replica} if self.router.replicas > 1 else {}
+            self.log.info("request.finished", rid=fin.rid, reason=fin.reason, **where,
                           prompt_tokens=req.prompt_tokens, completion_tokens=len(req.token_ids),
                           cached_tokens=fin.cached_tokens, error=fin.message or None,
                           ttft_s=round(req.first_token - req.received, 6) if req.first_token

@@ -61,13 +61,11 @@ class HttpFront:
     def submit(self, req: m.GenerateRequest, replies: asyncio.Queue, peer: str = "") -> None:
         self.queues[req.req_id] = replies
         out, forward = self.front.submit(HTTP_CLIENT, req, time.monotonic(), peer=peer)
-        for msg in forward:
-            self.actor.shell.send_now("scheduler", msg)
+        self.actor.to_schedulers(forward)
         self.actor._send_now(out)  # a refusal: counted and delivered like any reply
 
     def abort(self, req_id: str) -> None:
-        for msg in self.front.abort(HTTP_CLIENT, req_id, "request.client_gone"):
-            self.actor.shell.send_now("scheduler", msg)
+        self.actor.to_schedulers(self.front.abort(HTTP_CLIENT, req_id, "request.client_gone"))
 
     def deliver(self, reply: m.ClientWire) -> None:
         terminal = isinstance(reply, (m.Finished, m.ErrorReply))
@@ -113,7 +111,7 @@ class HttpFront:
 
     def metrics(self) -> str:
         return self.actor.metrics.render(self.model_name, len(self.front.open),
-                                         self.front.internal_errors)
+                                         self.front.internal_errors, self.front.router.routed)
 
     @functools.lru_cache(maxsize=1 << 16)
     def token_text(self, token_id: int) -> str:

@@ -37,10 +37,11 @@ class Metrics:
         self.prompt_tokens = self.generation_tokens = self.cached_tokens = 0
         self.finished: dict[str, int] = {}
         self.ttft, self.itl, self.e2e = Histogram(), Histogram(), Histogram()
-        self.running = self.queued = 0  # as the scheduler last reported them
+        # replica -> (running, queued) as its scheduler last reported them
+        self.loads: dict[int, tuple[int, int]] = {}
 
-    def scheduler_load(self, running: int, queued: int) -> None:
-        self.running, self.queued = running, queued
+    def scheduler_load(self, running: int, queued: int, replica: int = 0) -> None:
+        self.loads[replica] = (running, queued)
 
     def reply(self, reply: m.ClientWire) -> None:
         if isinstance(reply, m.Finished):
@@ -56,15 +57,18 @@ class Metrics:
         elif isinstance(reply, m.ErrorReply):
             self.finished["error"] = self.finished.get("error", 0) + 1
 
-    def render(self, model: str, open_requests: int, internal_errors: int = 0) -> str:
-        """The scheduler's last counts; zero once nothing is open (its last word may be old)."""
+    def render(self, model: str, open_requests: int, internal_errors: int = 0,
+               routed: list[int] = ()) -> str:
+        """The schedulers' last counts; zero once nothing is open (their last word may be
+        old). `routed`: requests sent to each data-parallel replica (when there are several)."""
         labels = f'model_name="{model}"'
         hit = self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+        loads = self.loads if open_requests else {r: (0, 0) for r in self.loads}
         lines = [
             "# TYPE mas:num_requests_running gauge",
-            f"mas:num_requests_running{{{labels}}} {self.running if open_requests else 0}",
+            f"mas:num_requests_running{{{labels}}} {sum(r for r, _ in loads.values())}",
             "# TYPE mas:num_requests_waiting gauge",
-            f"mas:num_requests_waiting{{{labels}}} {self.queued if open_requests else 0}",
+            f"mas:num_requests_waiting{{{labels}}} {sum(q for _, q in loads.values())}",
             "# TYPE mas:prompt_tokens_total counter",
             f"mas:prompt_tokens_total{{{labels}}} {self.prompt_tokens}",
             "# TYPE mas:generation_tokens_total counter",
@@ -78,6 +82,13 @@ class Metrics:
             *[f'mas:request_success_total{{{labels},finished_reason="{r}"}} {n}'
               for r, n in sorted(self.finished.items())],
         ]
+        if len(routed) > 1:  # data parallel: what each replica got and holds
+            lines.append("# TYPE mas:replica_requests_total counter")
+            lines += [f'mas:replica_requests_total{{{labels},replica="{r}"}} {n}'
+                      for r, n in enumerate(routed)]
+            lines.append("# TYPE mas:replica_requests_running gauge")
+            lines += [f'mas:replica_requests_running{{{labels},replica="{r}"}} '
+                      f'{loads.get(r, (0, 0))[0]}' for r in range(len(routed))]
         lines += self.ttft.render("mas:time_to_first_token_seconds", labels)
         lines += self.itl.render("mas:inter_token_latency_seconds", labels)
         lines += self.e2e.render("mas:e2e_request_latency_seconds", labels)

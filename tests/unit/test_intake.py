@@ -46,7 +46,9 @@ def test_a_valid_frame_opens_one_request_encoded_for_the_scheduler():
     front = frontend()
     replies, forward = front.on_client(frame(prompt="hi", max_new_tokens=3), 0.0)
     assert replies == [] and len(forward) == 1 and len(front.open) == 1
-    sent = msgspec.msgpack.decode(forward[0], type=m.SchedulerInbox)
+    [(replica, data)] = forward
+    sent = msgspec.msgpack.decode(data, type=m.SchedulerInbox)
+    assert replica == 0
     assert isinstance(sent, m.TokenizedRequest) and sent.params.max_new_tokens == 3
 
 

@@ -11,7 +11,7 @@ from actors.model_runner import tensor_parallel
 from models.info import ModelInfo
 from models.sizing import kv_bytes_per_token, kv_capacity
 from protocol.config import ConfigError, load_config
-from protocol.transport import derive_addresses, ipc_files, rank_names
+from protocol.transport import actor_name, derive_addresses, graph_actors, ipc_files, parse_name
 
 
 def cfg(*sets: str):
@@ -34,21 +34,23 @@ def test_runner_config_checks_hosts_and_ports():
 
 def test_one_machine_ranks_get_ipc_inboxes_and_distinct_free_ring_ports(tmp_path):
     addrs = derive_addresses(cfg("runner.tp=3"), str(tmp_path))
-    assert rank_names(3) == ["runner", "runner-1", "runner-2"]
+    assert graph_actors(cfg("runner.tp=3")) == ["tokenizer", "scheduler", "runner", "runner-1",
+                                                 "runner-2", "detokenizer"]
     assert addrs.inbox("runner-2") == f"ipc://{tmp_path}/runner-2"
     assert addrs.inbox("runner") == f"ipc://{tmp_path}/runner"
-    hosts = {e.rsplit(":", 1)[0] for e in addrs.ring}
-    ports = {int(e.rsplit(":", 1)[1]) for e in addrs.ring}
+    [ring] = addrs.ring
+    hosts = {e.rsplit(":", 1)[0] for e in ring}
+    ports = {int(e.rsplit(":", 1)[1]) for e in ring}
     assert hosts == {"127.0.0.1"} and len(ports) == 3 and 0 not in ports
     assert {p.name for p in ipc_files(addrs)} >= {"runner-1", "runner-2"}
-    assert derive_addresses(cfg(), str(tmp_path)).ranks == []
+    assert derive_addresses(cfg(), str(tmp_path)).extra == {}
 
 
 def test_ranks_on_several_machines_listen_on_fixed_ports(tmp_path):
     c = cfg("runner.tp=2", 'runner.hosts=["10.0.0.1", "fd00::2"]', "runner.port=6000")
     addrs = derive_addresses(c, str(tmp_path))
-    assert addrs.ring == ["10.0.0.1:6000", "[fd00::2]:6001"]
-    assert addrs.ranks == ["tcp://[fd00::2]:6003"]  # port + tp + rank
+    assert addrs.ring == [["10.0.0.1:6000", "[fd00::2]:6001"]]
+    assert addrs.extra == {"runner-1": "tcp://[fd00::2]:6003"}  # port + tp + rank
     assert all(p.name != "runner-1" for p in ipc_files(addrs))
 
 
@@ -62,8 +64,24 @@ def test_each_rank_accounts_its_share_of_the_kv_heads():
     assert kv_capacity(cfg("memory.kv_fraction=0.01", "runner.tp=2"), info) in (one - 1, one)
 
 
-def test_rank_of_names():
-    assert [tensor_parallel.rank_of(n) for n in rank_names(4)] == [0, 1, 2, 3]
+def test_actor_names_of_replicas_and_ranks():
+    names = graph_actors(cfg("runner.tp=2", "scheduler.dp=2"))
+    assert names == ["tokenizer", "scheduler", "scheduler.1", "runner", "runner-1", "runner.1",
+                     "runner.1-1", "detokenizer"]
+    assert [parse_name(n) for n in names[1:-1]] == [
+        ("scheduler", 0, 0), ("scheduler", 1, 0), ("runner", 0, 0), ("runner", 0, 1),
+        ("runner", 1, 0), ("runner", 1, 1)]
+    assert all(actor_name(*parse_name(n)) == n for n in names)
+
+
+def test_replicas_on_several_machines_take_their_own_ports(tmp_path):
+    c = cfg("runner.tp=2", "scheduler.dp=2", 'runner.hosts=["10.0.0.1", "10.0.0.2"]',
+            "runner.port=6000")
+    addrs = derive_addresses(c, str(tmp_path))
+    assert addrs.ring == [["10.0.0.1:6000", "10.0.0.2:6001"], ["10.0.0.1:6004", "10.0.0.2:6005"]]
+    assert addrs.inbox("runner-1") == "tcp://10.0.0.2:6003"
+    assert addrs.inbox("runner.1-1") == "tcp://10.0.0.2:6007"
+    assert addrs.inbox("scheduler.1") == f"ipc://{tmp_path}/scheduler.1"
 
 
 def test_watchdog_flags_only_a_busy_rank_past_its_timeout():
@@ -98,4 +116,4 @@ def test_a_model_class_without_shard_is_refused_by_name():
 
 def test_tp1_joins_no_group(tmp_path):
     c = cfg()
-    assert tensor_parallel.join(c, derive_addresses(c, str(tmp_path)), 0) is None
+    assert tensor_parallel.join(c, derive_addresses(c, str(tmp_path)), 0, 0) is None
