@@ -1,0 +1,81 @@
+"""The tokenizer's data-parallel router: prefix affinity, load balance, groups, forgetting."""
+
+from __future__ import annotations
+
+from actors.tokenizer.metrics import Metrics
+from actors.tokenizer.router import BLOCK, Router
+
+
+def prompt(seed: int, n: int = 100) -> list[int]:
+    return [(seed * 7919 + i * 31) % 50000 for i in range(n)]
+
+
+def test_distinct_prompts_spread_over_the_least_loaded():
+    r = Router(3)
+    got = [r.route(prompt(s)).replica for s in range(6)]
+    assert sorted(got) == [0, 0, 1, 1, 2, 2] and r.load == [2, 2, 2]
+    r.done(got[0])
+    assert r.route(prompt(99)).replica == got[0]  # the one with a free place
+
+
+def test_a_shared_prefix_follows_the_replica_that_cached_it():
+    r = Router(2)
+    system = prompt(1, 4 * BLOCK)
+    first = r.route(system + prompt(2, 20))
+    r.route(prompt(3))  # the other replica is now as busy
+    second = r.route(system + prompt(4, 30))
+    assert second.replica == first.replica and second.reason == "prefix"
+    assert second.matched == 4 * BLOCK
+
+
+def test_a_short_match_does_not_count():
+    r = Router(2, min_match=2 * BLOCK)
+    first = r.route(prompt(1, BLOCK) + prompt(2, 40))
+    second = r.route(prompt(1, BLOCK) + prompt(3, 40))  # one block in common
+    assert second.reason == "load" and second.replica != first.replica
+
+
+def test_a_busy_replica_loses_its_cache_hits_past_the_slack():
+    r = Router(2, slack=2)
+    system = prompt(5, 8 * BLOCK)
+    replicas = [r.route(system + [i] * 5).replica for i in range(5)]
+    # Hits while the cached replica is at most 2 busier, then the other one.
+    assert replicas[:3] == [replicas[0]] * 3 and replicas[3] != replicas[0]
+    assert max(r.load) - min(r.load) <= 2
+
+
+def test_the_choices_of_one_group_stay_together_until_the_last_ends():
+    r = Router(2)
+    r.route(prompt(7))
+    a = [r.route(prompt(8), group="c/g").replica for _ in range(3)]
+    assert len(set(a)) == 1 and r.route(prompt(9), group="c/g").reason == "group"
+    for _ in range(4):
+        r.done(a[0], "c/g")
+    assert "c/g" not in r.groups and r.load[a[0]] == 0
+
+
+def test_the_index_forgets_its_oldest_prefixes_past_capacity():
+    r = Router(2, capacity=10)
+    r.route(prompt(1, 8 * BLOCK))
+    for s in range(2, 5):
+        r.route(prompt(s, 8 * BLOCK))
+    assert len(r.index) == 10
+    again = r.route(prompt(1, 8 * BLOCK))
+    assert again.reason == "load"  # its blocks were dropped
+
+
+def test_one_replica_routes_everything_to_it():
+    r = Router(1)
+    assert {r.route(prompt(s)).replica for s in range(5)} == {0} and r.routed == [5]
+
+
+def test_metrics_sum_the_replicas_and_list_each():
+    metrics = Metrics()
+    metrics.scheduler_load(3, 1, replica=0)
+    metrics.scheduler_load(2, 4, replica=1)
+    text = metrics.render("m", open_requests=5, routed=[7, 6])
+    assert 'mas:num_requests_running{model_name="m"} 5' in text
+    assert 'mas:num_requests_waiting{model_name="m"} 5' in text
+    assert 'mas:replica_requests_total{model_name="m",replica="1"} 6' in text
+    assert 'mas:replica_requests_running{model_name="m",replica="0"} 3' in text
+    assert "replica=" not in Metrics().render("m", open_requests=0, routed=[4])
