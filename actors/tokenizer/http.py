@@ -17,9 +17,9 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response, Strea
 from starlette.routing import Route
 
 from actors.tokenizer.intake import RequestError
-from actors.tokenizer.openai_format import (Choice, chat_chunk, chat_response, completion_chunk,
-                                            completion_response, error_body, parse_chat,
-                                            parse_completion, usage)
+from actors.tokenizer.openai_format import (Choice, TokenizeBody, chat_chunk, chat_response,
+                                            completion_chunk, completion_response, error_body,
+                                            parse_chat, parse_completion, parse_tokenize, usage)
 from protocol import messages as m
 from protocol.config import LimitsConfig
 
@@ -37,6 +37,8 @@ class Bridge(Protocol):
     def metrics(self) -> str: ...
     def token_text(self, token_id: int) -> str: ...
     def internal_error(self) -> None: ...
+    def server_info(self) -> dict[str, Any]: ...
+    def tokenize(self, body: TokenizeBody) -> list[int]: ...
 
 
 def build_app(bridge: Bridge) -> Starlette:
@@ -82,11 +84,23 @@ def build_app(bridge: Bridge) -> Starlette:
     async def metrics(request: Request) -> Response:
         return PlainTextResponse(bridge.metrics(), media_type="text/plain; version=0.0.4")
 
+    async def server_info(request: Request) -> Response:
+        # sglang-router reads served_model_name from here (sglang's own route names).
+        return JSONResponse(bridge.server_info())
+
+    async def tokenize(request: Request) -> Response:
+        ids = bridge.tokenize(parse_tokenize(await _body(request, bridge.limits), bridge.limits))
+        return JSONResponse({"count": len(ids), "max_model_len":
+                             bridge.server_info()["context_length"], "tokens": ids})
+
     return Starlette(routes=[
         Route("/v1/completions", guarded(completions), methods=["POST"]),
         Route("/v1/chat/completions", guarded(chat), methods=["POST"]),
         Route("/v1/models", guarded(models), methods=["GET"]),
         Route("/metrics", guarded(metrics), methods=["GET"]),
+        Route("/server_info", guarded(server_info), methods=["GET"]),
+        Route("/get_server_info", guarded(server_info), methods=["GET"]),
+        Route("/tokenize", guarded(tokenize), methods=["POST"]),
         Route("/health", health, methods=["GET"]),
     ])
 

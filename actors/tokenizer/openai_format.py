@@ -171,6 +171,28 @@ def parse_chat(raw: bytes, limits: LimitsConfig) -> tuple[list[m.GenerateRequest
                      c.logprobs, c.top_logprobs or 0, names)
 
 
+class TokenizeBody(msgspec.Struct, kw_only=True):
+    """POST /tokenize, as vLLM serves it (vllm-router asks each worker for the prompt's
+    tokens to route by them): a prompt or chat messages."""
+
+    model: str = ""
+    prompt: str | None = None
+    messages: list[ChatMessageBody] | None = None
+    add_special_tokens: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+def parse_tokenize(raw: bytes, limits: LimitsConfig) -> TokenizeBody:
+    body = decode_body(raw, TokenizeBody, limits)
+    if (body.prompt is None) == (body.messages is None):
+        raise RequestError("give one of prompt or messages", param="prompt")
+    return body
+
+
+def chat_messages(body: TokenizeBody) -> list[dict[str, str]]:
+    return [{"role": msg.role, "content": _content(msg)} for msg in body.messages or []]
+
+
 @dataclass
 class Choice:
     index: int
