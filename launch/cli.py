@@ -18,7 +18,7 @@ from actors.logs import configure_logging, get_logger
 from actors.titles import set_title
 from models.info import ModelInfo
 from protocol.config import Config, ConfigError, load_config
-from protocol.transport import derive_addresses
+from protocol.transport import derive_addresses, graph_actors, parse_name
 
 
 def resolve_model(cfg: Config, progress: bool = True) -> ModelInfo:
@@ -46,7 +46,29 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--config", help="TOML config file (configs/qwen.toml)")
     p.add_argument("--set", dest="overrides", action="append", default=[],
                    metavar="SECTION.KEY=VALUE", help="override one config key (repeatable)")
+    p.add_argument("--only", metavar="ACTORS", default="",
+                   help="start only these actors of the graph (comma separated, e.g. runner-1 "
+                        "on the host of tensor-parallel rank 1); the rest runs elsewhere")
+    p.add_argument("--except", dest="skip", metavar="ACTORS", default="",
+                   help="start every actor but these (they are started elsewhere with --only)")
     return p.parse_args(argv)
+
+
+def chosen_actors(cfg: Config, only: str, skip: str) -> list[str]:
+    """The actors this launcher starts. By default every actor of the graph but the tensor-
+    parallel ranks whose runner.hosts entry is not rank 0's: their hosts start them with
+    --only."""
+    every = graph_actors(cfg)
+    named = {n.strip() for n in f"{only},{skip}".split(",") if n.strip()}
+    if unknown := sorted(named - set(every)):
+        raise ConfigError(f"--only/--except: no actor {', '.join(unknown)} in this graph "
+                          f"(its actors: {', '.join(every)})")
+    if only:
+        return [n for n in every if n in named]
+    hosts = cfg.runner.hosts
+    remote = {n for n in every if hosts and parse_name(n)[0] == "runner"
+              and hosts[parse_name(n)[2]] != hosts[0]}
+    return [n for n in every if n not in remote and n not in named]
 
 
 def with_run_log(cfg: Config) -> Config:
@@ -83,15 +105,24 @@ def main(argv: list[str] | None = None) -> int:
         from actors.model_runner.entry import preflight
 
         preflight(cfg)  # a BLAS asked for by name must be here
+        actors = chosen_actors(cfg, args.only, args.skip)
         model = resolve_model(cfg)
     except (ConfigError, OSError, ValueError) as e:
         print(f"launch: {e}", file=sys.stderr)
         return 2
-    addrs = derive_addresses(cfg)
+    try:
+        addrs = derive_addresses(cfg)
+    except ValueError as e:
+        print(f"launch: {e}", file=sys.stderr)
+        return 2
     log.info("launch.start", model=model.name, path=model.path, ipc_dir=addrs.ipc_dir,
-             log_file=cfg.log.file or None)
+             log_file=cfg.log.file or None, actors=actors)
 
     def on_ready(info: dict[str, str]) -> None:
+        if "tokenizer" not in actors:  # a part of a graph whose front door runs elsewhere
+            log.info("launch.ready", actors=actors, log_file=cfg.log.file or None)
+            print(f"mlx-actor-serve part ready: {', '.join(actors)}", flush=True)
+            return
         client = info.get("client", addrs.client)
         http = f" http {info['http']}" if "http" in info else ""
         logs = f" log {cfg.log.file}" if cfg.log.file else ""
@@ -102,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from launch.supervisor import Supervisor
 
-    return asyncio.run(Supervisor(cfg, addrs, model, on_ready).run())
+    return asyncio.run(Supervisor(cfg, addrs, model, on_ready, actors).run())
 
 
 if __name__ == "__main__":

@@ -49,8 +49,11 @@ class StartupError(RuntimeError):
 
 class Supervisor:
     def __init__(self, cfg: Config, addrs: Addresses, model: ModelInfo,
-                 on_ready: Callable[[dict[str, str]], None]):
+                 on_ready: Callable[[dict[str, str]], None], actors: list[str] | None = None):
         self.cfg, self.addrs, self.model, self.on_ready = cfg, addrs, model, on_ready
+        # The actors this launcher runs: the whole graph, or its part on this host (--only).
+        self.actors = actors if actors is not None else graph_actors(cfg)
+        self.partial = "tokenizer" not in self.actors
         self.log = get_logger()
         self.procs: dict[str, mp.Process] = {}
         self.zctx = zmq.asyncio.Context()
@@ -117,7 +120,7 @@ class Supervisor:
     def _spawn(self) -> None:
         ctx = mp.get_context("spawn")
         entries = _entries()
-        for name in graph_actors(self.cfg):
+        for name in self.actors:
             entry = entries[parse_name(name)[0]]
             extra = () if name in entries else (name,)
             proc = ctx.Process(target=entry, args=(self.cfg, self.addrs, self.model, *extra),
@@ -183,13 +186,17 @@ class Supervisor:
         exit code or signal first, so the reason names it."""
         proc = self.procs[name]
         await _join(proc, 5.0)
+        if self.partial and proc.exitcode == 0:  # the graph's own shutdown reached it there
+            self.log.info("actor.stopped", name=name)
+            self._stop_once(f"actor {name} stopped", False)
+            return
         self.exit_code = 1
         self.log.error("actor.died", name=name, exit_code=proc.exitcode)
         self._stop_once(f"actor {name} died ({exit_text(proc.exitcode)})", False)
 
     async def _shutdown(self, reason: str, drain: bool) -> None:
         self.log.info("launch.shutdown", reason=reason, drain=drain)
-        for name in graph_actors(self.cfg):
+        for name in self.actors:
             proc = self.procs.get(name)
             if proc is None or not proc.is_alive():
                 continue

@@ -62,9 +62,17 @@ class ServerConfig(Section):
     curve_public_key: str = ""
     curve_secret_key: str = ""
     curve_key_file: str = ""
+    # Inboxes at addresses of your choosing, by actor name ("scheduler", "runner-1",
+    # "scheduler.1", ...): tcp://HOST:PORT for an actor that `launch --only NAME` starts on
+    # another host. Every other inbox is ipc:// in ipc_dir.
+    inboxes: dict[str, str] = {}
 
     def __post_init__(self) -> None:
         self.curve_keys()  # a malformed key fails the config load, naming the key
+        for name, address in self.inboxes.items():
+            if not address.startswith(("tcp://", "ipc://")):
+                raise ValueError(f"server.inboxes.{name}: {address!r} is not a tcp:// or "
+                                 "ipc:// address")
 
     def curve_keys(self) -> tuple[bytes, bytes] | None:
         """(public, secret) when CURVE is on, else None. ValueError naming the key that is not

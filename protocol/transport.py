@@ -72,6 +72,10 @@ def derive_addresses(cfg: Config, ipc_dir: str | None = None) -> Addresses:
         inboxes, endpoints = _tp_addresses(cfg, r)
         extra.update(inboxes)
         ring.append(endpoints)
+    for name, address in cfg.server.inboxes.items():  # the config's choice wins
+        if name not in ACTORS and name not in extra:
+            raise ValueError(f"server.inboxes: no actor {name!r} in this graph")
+        (ipc if name in ACTORS else extra)[name] = address
     return Addresses(ipc_dir=folder, client=f"tcp://{cfg.server.host}:{cfg.server.port}",
                      extra=extra, ring=ring if cfg.runner.tp > 1 else [], **ipc)
 

@@ -136,3 +136,42 @@ def test_a_model_without_shard_is_refused_by_class(model_cache):
                     ready_timeout=120)
     text = "\n".join(lines)
     assert "mlx_lm.models.gemma3_text.Model has no shard()" in text, text[-3000:]
+
+
+def test_a_rank_on_another_host_started_by_launch_only(model_cache):
+    """The layout of two machines on this one: rank 1 listens on 127.0.0.2 (another host as
+    far as the config knows), the main launcher leaves it out, `launch --only runner-1`
+    starts it there, and the graph's shutdown stops it."""
+    import socket
+    import subprocess
+    import sys
+
+    from harness.graph import ROOT
+
+    path = str(ensure_builtin("qwen3-tiny", cache_dir=model_cache, progress=False))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    sets = [f"model.path={path}", "runner.tp=2", 'runner.hosts=["127.0.0.1", "127.0.0.2"]',
+            f"runner.port={port}"]
+    args = [sys.executable, "-m", "launch", "--config", str(ROOT / "configs" / "qwen.toml"),
+            "--only", "runner-1", "--set", "log.stderr=false",
+            *[a for o in sets for a in ("--set", o)]]
+    there = subprocess.Popen(args, stdout=subprocess.PIPE, text=True, cwd=ROOT)
+    try:
+        g = Graph(*sets)
+        assert there.stdout.readline().strip() == "mlx-actor-serve part ready: runner-1"
+        try:
+            replies = asyncio.run(asyncio.wait_for(_run(g.address), 240))
+        finally:
+            assert g.stop() == 0
+        assert there.wait(30) == 0  # rank 0 passed the shutdown on
+    finally:
+        if there.poll() is None:
+            there.kill()
+    spawned = {r["name"] for r in g.records if r.get("event") == "actor.spawned"}
+    assert "runner-1" not in spawned and "runner" in spawned
+    ref = oracle(path)
+    for prompt, reply in zip(PROMPTS, replies[0]):
+        ids = ref.tokenizer.encode(prompt)
+        ref.check(ids, reply.token_ids, ref.greedy(ids, NEW))

@@ -117,3 +117,28 @@ def test_a_model_class_without_shard_is_refused_by_name():
 def test_tp1_joins_no_group(tmp_path):
     c = cfg()
     assert tensor_parallel.join(c, derive_addresses(c, str(tmp_path)), 0, 0) is None
+
+
+def test_the_main_launcher_leaves_out_ranks_of_other_hosts():
+    from launch.cli import chosen_actors
+
+    c = cfg("runner.tp=2", 'runner.hosts=["10.0.0.1", "10.0.0.2"]', "runner.port=7000")
+    assert chosen_actors(c, "", "") == ["tokenizer", "scheduler", "runner", "detokenizer"]
+    assert chosen_actors(c, "runner-1", "") == ["runner-1"]
+    assert "runner-1" in chosen_actors(cfg("runner.tp=2"), "", "")
+    assert chosen_actors(cfg("scheduler.dp=2"), "", "scheduler.1,runner.1") == [
+        "tokenizer", "scheduler", "runner", "detokenizer"]
+    with pytest.raises(ConfigError, match="no actor runner-3 in this graph"):
+        chosen_actors(c, "runner-3", "")
+
+
+def test_config_inboxes_move_an_edge_to_tcp(tmp_path):
+    c = cfg('server.inboxes={"scheduler" = "tcp://10.0.0.5:7100", "runner-1" = '
+            '"tcp://10.0.0.6:7101"}', "runner.tp=2")
+    addrs = derive_addresses(c, str(tmp_path))
+    assert addrs.inbox("scheduler") == "tcp://10.0.0.5:7100"
+    assert addrs.inbox("runner-1") == "tcp://10.0.0.6:7101"
+    with pytest.raises(ConfigError, match=r"server.inboxes.runner: 'udp://x' is not"):
+        cfg('server.inboxes={"runner" = "udp://x"}')
+    with pytest.raises(ValueError, match="no actor 'runner-5'"):
+        derive_addresses(cfg('server.inboxes={"runner-5" = "tcp://1.2.3.4:5"}'), str(tmp_path))
