@@ -62,8 +62,26 @@ def shard(model, group) -> None:
                          f"{cls.__module__}.{cls.__qualname__} has no shard() (mlx-lm "
                          "shards qwen2, qwen3, qwen3_moe, qwen3_5, llama and others); "
                          "set runner.tp = 1")
+    check_divisible(model, group.size())
     model.shard(group)
     mx.eval(model.parameters())
+
+
+# Head counts mlx-lm's shard() splits evenly between the ranks.
+_SPLIT = ("num_attention_heads", "num_key_value_heads", "intermediate_size")
+
+
+def check_divisible(model, tp: int) -> None:
+    """ValueError naming the first head count (or width) tp does not divide."""
+    for owner in (model, getattr(model, "language_model", None)):
+        args = getattr(owner, "args", None)
+        if args is None:
+            continue
+        for key in _SPLIT:
+            value = getattr(args, key, None)
+            if isinstance(value, int) and value % tp:
+                raise ValueError(f"runner.tp = {tp} does not divide the model's {key} "
+                                 f"({value}): pick a tp that does")
 
 
 class Watchdog:

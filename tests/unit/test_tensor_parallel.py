@@ -114,6 +114,24 @@ def test_a_model_class_without_shard_is_refused_by_name():
         tensor_parallel.shard(NoShard(), _Group(2))
 
 
+class Args:
+    num_attention_heads, num_key_value_heads, intermediate_size = 8, 4, 96
+
+
+class Sharded:
+    args = Args()
+
+    def shard(self, group):
+        raise AssertionError("must be refused before sharding")
+
+
+def test_a_tp_that_does_not_divide_the_heads_is_refused():
+    with pytest.raises(ValueError, match=r"runner.tp = 8 does not divide the model's "
+                                         r"num_key_value_heads \(4\)"):
+        tensor_parallel.shard(Sharded(), _Group(8))
+    tensor_parallel.check_divisible(Sharded(), 4)  # 8, 4 and 96 all split in 4
+
+
 def test_tp1_joins_no_group(tmp_path):
     c = cfg()
     assert tensor_parallel.join(c, derive_addresses(c, str(tmp_path)), 0, 0) is None
