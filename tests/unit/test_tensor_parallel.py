@@ -160,3 +160,20 @@ def test_config_inboxes_move_an_edge_to_tcp(tmp_path):
         cfg('server.inboxes={"runner" = "udp://x"}')
     with pytest.raises(ValueError, match="no actor 'runner-5'"):
         derive_addresses(cfg('server.inboxes={"runner-5" = "tcp://1.2.3.4:5"}'), str(tmp_path))
+
+
+def test_runner_processes_on_one_machine_split_its_cores(monkeypatch):
+    from actors.model_runner import entry
+
+    for var in entry.THREAD_VARIABLES:
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(entry.os, "cpu_count", lambda: 8)
+    assert entry.share_cores(cfg()) is None and "MKL_NUM_THREADS" not in entry.os.environ
+    assert entry.share_cores(cfg("runner.tp=2", "scheduler.dp=2")) == 2
+    assert entry.os.environ["MKL_NUM_THREADS"] == entry.os.environ["OMP_NUM_THREADS"] == "2"
+    monkeypatch.setenv("MKL_NUM_THREADS", "3")  # the user's own choice wins
+    entry.share_cores(cfg("runner.tp=4"))
+    assert entry.os.environ["MKL_NUM_THREADS"] == "3"
+    # Ranks on other machines have their machine to themselves.
+    assert entry.share_cores(cfg("runner.tp=2", 'runner.hosts=["10.0.0.1", "10.0.0.2"]',
+                                 "runner.port=6000")) is None
