@@ -52,6 +52,7 @@ class Installed:
     head_modules: int  # LM head modules that can cut to the last position
     greedy_head_mib: float  # the greedy head's int8 copy of the LM head (0: not in use)
     greedy: Any = field(default=None, repr=False)  # the GreedyHead, or None
+    chunked_delta: bool = False  # prompt chunks' gated-delta recurrence in blocks
 
     def log_fields(self) -> dict[str, Any]:
         """The fields of the `runner.blas` log (the weight plan and the greedy head object
@@ -87,6 +88,9 @@ def install(model: nn.Module, runtime: RuntimeConfig, vocab_size: int) -> Instal
     fast_math_globals = fastmath.install(model) if runtime.fast_math else 0
     if compiled is not None:
         attention.install(model)  # after fastmath: it falls back to fastmath's dispatcher
+    from actors.model_runner import chunked_delta
+
+    chunked = chunked_delta.install(runtime.chunked_delta)
     head_modules = head.install(model, vocab_size)
     greedy = None
     if compiled is not None and runtime.greedy_head:
@@ -107,4 +111,5 @@ def install(model: nn.Module, runtime: RuntimeConfig, vocab_size: int) -> Instal
         head_modules=head_modules,
         greedy_head_mib=round(greedy.nbytes / 2**20, 1) if greedy is not None else 0.0,
         greedy=greedy,
+        chunked_delta=chunked,
     )

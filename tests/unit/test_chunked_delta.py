@@ -1,0 +1,92 @@
+"""The gated delta rule in blocks against mlx-lm's sequential form, on random inputs."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models import gated_delta
+from mlx_lm.models.gated_delta import normalize_qk
+
+from actors.model_runner import chunked_delta
+from actors.model_runner.chunked_delta import chunked_gated_delta
+
+SEQUENTIAL = getattr(gated_delta.gated_delta_ops, "reference", gated_delta.gated_delta_ops)
+
+
+def inputs(T, gates, B=2, Hk=2, Hv=4, D=32, seed=0, dtype=mx.float32, state_scale=0.5):
+    mx.random.seed(seed)
+    q, k = mx.random.normal((B, T, Hk, D)), mx.random.normal((B, T, Hk, D))
+    q, k = normalize_qk(q, k, inv_scale=D**-0.5, eps=1e-6)
+    v = mx.random.normal((B, T, Hv, D))
+    g = mx.random.uniform(*gates, (B, T, Hv))
+    beta = mx.random.uniform(0, 1, (B, T, Hv))
+    state = mx.random.normal((B, Hv, D, D)) * state_scale  # carried in, as from a snapshot
+    return q.astype(dtype), k.astype(dtype), v.astype(dtype), g, beta, state
+
+
+def rel(a, b) -> float:
+    return float(mx.abs(a.astype(mx.float32) - b.astype(mx.float32)).max()
+                 / mx.abs(b.astype(mx.float32)).max())
+
+
+@pytest.mark.parametrize("gates", [(0.9, 1.0), (0.999, 1.0), (0.0, 0.05), (0.3, 1.0)])
+@pytest.mark.parametrize("T,block", [(37, 16), (130, 32), (200, 64), (64, 64), (5, 64)])
+def test_blocks_equal_the_sequential_form(gates, T, block):
+    q, k, v, g, beta, state = inputs(T, gates)
+    want_y, want_s = SEQUENTIAL(q, k, v, g, beta, state)
+    y, s = chunked_gated_delta(q, k, v, g, beta, state, block=block)
+    assert y.shape == want_y.shape and s.shape == want_s.shape
+    assert rel(y, want_y) < 2e-6 and rel(s, want_s) < 2e-6
+
+
+def test_gates_of_exactly_zero_reset_the_state():
+    q, k, v, g, beta, state = inputs(50, (0.5, 1.0))
+    g = mx.where(mx.arange(50)[None, :, None] % 7 == 3, 0.0, g)
+    want_y, want_s = SEQUENTIAL(q, k, v, g, beta, state)
+    y, s = chunked_gated_delta(q, k, v, g, beta, state, block=16)
+    assert not mx.isnan(y).any() and rel(y, want_y) < 2e-6 and rel(s, want_s) < 2e-6
+
+
+def test_bf16_activations_keep_their_dtype_and_a_float32_state():
+    q, k, v, g, beta, state = inputs(40, (0.8, 1.0), dtype=mx.bfloat16)
+    want_y, want_s = SEQUENTIAL(q, k, v, g, beta, state)
+    y, s = chunked_gated_delta(q, k, v, g, beta, state, block=16)
+    assert y.dtype == mx.bfloat16 and s.dtype == mx.float32
+    assert rel(y, want_y) < 1e-2 and rel(s, want_s) < 1e-5
+
+
+def test_a_state_run_in_two_pieces_equals_one_run():
+    q, k, v, g, beta, state = inputs(90, (0.7, 1.0))
+    y, s = chunked_gated_delta(q, k, v, g, beta, state, block=32)
+    y1, s1 = chunked_gated_delta(q[:, :41], k[:, :41], v[:, :41], g[:, :41], beta[:, :41],
+                                 state, block=32)
+    y2, s2 = chunked_gated_delta(q[:, 41:], k[:, 41:], v[:, 41:], g[:, 41:], beta[:, 41:],
+                                 s1, block=32)
+    assert rel(mx.concatenate([y1, y2], axis=1), y) < 2e-6 and rel(s2, s) < 2e-6
+
+
+def test_install_dispatches_by_length_and_mask_and_can_be_undone():
+    calls = []
+
+    def spy(*args):
+        calls.append(args[0].shape[1])
+        return SEQUENTIAL(*args)
+
+    saved = gated_delta.gated_delta_ops
+    try:
+        gated_delta.gated_delta_ops = spy
+        assert chunked_delta.install(True)
+        assert chunked_delta.install(True) and gated_delta.gated_delta_ops.reference is spy
+        q, k, v, g, beta, state = inputs(12, (0.9, 1.0))
+        y, _ = gated_delta.gated_delta_ops(q, k, v, g, beta, state)  # blocks
+        assert calls == []
+        want_y, _ = SEQUENTIAL(q, k, v, g, beta, state)
+        assert rel(y, want_y) < 2e-6
+        one = [x[:, :1] for x in (q, k, v, g, beta)]
+        gated_delta.gated_delta_ops(*one, state)  # a decode row: the loop
+        mask = mx.ones((2, 12), dtype=mx.bool_)
+        gated_delta.gated_delta_ops(q, k, v, g, beta, state, mask)  # masked: the loop
+        assert calls == [1, 12]
+        assert not chunked_delta.install(False) and gated_delta.gated_delta_ops is spy
+    finally:
+        gated_delta.gated_delta_ops = saved
