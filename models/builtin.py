@@ -77,6 +77,19 @@ BUILTINS: dict[str, ModelSpec] = {
             max_position_embeddings=4096, rope_parameters=_QWEN3_5_ROPE, tie_word_embeddings=True,
         ),
     ),
+    # Qwen3.5 of realistic proportions for benchmarks: six gated-delta-net layers (8 key and
+    # 8 value heads of 128, as Qwen3.5-0.8B has 16) and two full-attention layers, hidden 512.
+    "qwen3_5-small": ModelSpec(
+        vocab="qwen3_5",
+        config=dict(
+            model_type="qwen3_5", hidden_size=512, intermediate_size=1536, num_hidden_layers=8,
+            full_attention_interval=4, num_attention_heads=8, num_key_value_heads=2,
+            head_dim=128, linear_num_key_heads=8, linear_num_value_heads=8,
+            linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4,
+            vocab_size=248320, max_position_embeddings=8192, rope_parameters=_QWEN3_5_ROPE,
+            tie_word_embeddings=True,
+        ),
+    ),
     # Gemma 3: sliding-window layers (a RotatingKVCache of the last 32 positions) between
     # full-attention layers, so prompts a few windows long exercise both kinds.
     "gemma3-tiny": ModelSpec(

@@ -50,13 +50,14 @@ def test_parameter_counts_from_the_spec():
     assert 100e6 <= builtin.count_params("qwen3-small") <= 150e6
     assert builtin.count_params("qwen3-tiny") < 12e6
     assert builtin.count_params("gemma3-tiny") < 12e6
+    assert 150e6 <= builtin.count_params("qwen3_5-small") <= 180e6  # 127M of it the embedding
 
 
 def test_spec_hashes_of_shipped_builtins_do_not_change():
     # A changed hash rebuilds every cached copy of that model: only on purpose.
     assert {name: builtin.spec_hash(spec) for name, spec in builtin.BUILTINS.items()} == {
         "qwen3-tiny": "42664b08ef", "qwen3-small": "3a8dd0866f", "qwen3_5-tiny": "ef233078fa",
-        "gemma3-tiny": "7b209a4682"}
+        "qwen3_5-small": "48a32555c4", "gemma3-tiny": "7b209a4682"}
 
 
 def test_changed_spec_changes_directory_name():

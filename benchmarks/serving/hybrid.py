@@ -1,0 +1,89 @@
+"""Prefill speed of a hybrid (Qwen3.5) model: one prompt at a time, time to its first token,
+ours with the chunkwise gated-delta prefill against ours with mlx-lm's per-token loop
+(`runtime.chunked_delta = false`) and against mlx_lm.server, on the same model and BLAS.
+
+    python -m benchmarks.serving.hybrid [--model qwen3_5-small] [--tokens 512 2000] [--repeats 2]
+
+Every request is a fresh prompt (no prefix cache hit) of exactly that many tokens asking for
+one output token; prefill tokens/s = prompt tokens / TTFT, the best of the repeats.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+from pathlib import Path
+
+from benchmarks.serving.load import PromptMaker, Target
+from benchmarks.serving.servers import mlx_lm_server, ours
+
+
+async def ttft(target: Target, prompt: str) -> float:
+    client = target.client()
+    start = time.perf_counter()
+    stream = await client.completions.create(model=target.model, prompt=prompt, max_tokens=1,
+                                             temperature=0, stream=True, extra_body=target.extra)
+    async for _ in stream:
+        break
+    took = time.perf_counter() - start
+    async for _ in stream:  # let it finish before the next one
+        pass
+    await client.close()
+    return took
+
+
+def measure(target: Target, prompts: dict[int, list[str]]) -> dict[int, float]:
+    asyncio.run(ttft(target, prompts[0][0]))  # warm-up
+    return {n: max(n / asyncio.run(ttft(target, p)) for p in ps)
+            for n, ps in prompts.items() if n}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.serving.hybrid",
+                                description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="qwen3_5-small")
+    p.add_argument("--tokens", type=int, nargs="+", default=[512, 2000])
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--blas", default="auto")
+    p.add_argument("--no-mlx-lm", action="store_true")
+    p.add_argument("--json", help="write the results here too")
+    args = p.parse_args(argv)
+    from models.builtin import ensure_builtin
+    from models.info import read_model_info
+    from models.tokenizer import load_tokenizer
+
+    model_dir = str(ensure_builtin(args.model))
+    maker = PromptMaker(load_tokenizer(model_dir))
+    prompts = {0: [maker.make(64, seed=7)]}
+    for k, n in enumerate(args.tokens):
+        prompts[n] = [maker.make(n, seed=100 * k + r) for r in range(args.repeats)]
+    eos = read_model_info(model_dir).eos_ids
+    results = {}
+    with ours(model_dir, args.blas) as target:
+        results["ours"] = measure(target, prompts)
+    with ours(model_dir, args.blas, ["runtime.chunked_delta=false"]) as target:
+        results["ours, per-token loop"] = measure(target, prompts)
+    if not args.no_mlx_lm:
+        with mlx_lm_server(model_dir, args.blas, eos) as target:
+            results["mlx_lm.server"] = measure(target, prompts)
+    print(f"model {args.model}: prefill tokens/s (prompt tokens / TTFT, best of "
+          f"{args.repeats})")
+    print("| server | " + " | ".join(f"{n} tokens" for n in args.tokens) + " |")
+    print("|---|" + "---|" * len(args.tokens))
+    for name, row in results.items():
+        print(f"| {name} | " + " | ".join(f"{row[n]:.0f}" for n in args.tokens) + " |")
+    base = results["ours"]
+    for name, row in results.items():
+        if name != "ours":
+            print(f"ours / {name}: " + ", ".join(f"{base[n] / row[n]:.2f}x at {n}"
+                                                 for n in args.tokens))
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
