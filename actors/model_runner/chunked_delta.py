@@ -31,6 +31,7 @@ rows) and masked batches keep mlx-lm's own path.
 from __future__ import annotations
 
 import mlx.core as mx
+import mlx.nn as nn
 
 # Measured on one layer of Qwen3.5-0.8B shape (16 heads, dims 128), 2-core Xeon with MKL
 # (python -m benchmarks.kernels.gated_delta): ms for the per-token loop / blocks of 64 at
@@ -92,6 +93,43 @@ def _block(q, k, v, log_g, beta, s):
     tail = mx.exp(lg[..., -1:] - lg).astype(f32)[..., None]  # gamma_C / gamma_i
     s = mx.exp(lg[..., -1]).astype(f32)[..., None, None] * s + u.swapaxes(-1, -2) @ (tail * k)
     return y, s
+
+
+class ShiftedConv1d(nn.Module):
+    """A causal depthwise nn.Conv1d (groups = channels, stride 1, no padding, no dilation) as
+    a sum of `kernel` shifted products: the gated-delta layers' short convolution. MLX's CPU
+    convolution took 46 ms of a 116 ms layer on a 512-token chunk (3,072 channels, kernel 4);
+    the sum is a few elementwise passes. Same parameter name (`weight`, [C, kernel, 1])."""
+
+    def __init__(self, conv: nn.Conv1d):
+        super().__init__()
+        self.weight = conv.weight
+        if "bias" in conv:
+            self.bias = conv.bias
+
+    def __call__(self, x: mx.array) -> mx.array:
+        kernel = self.weight.shape[1]
+        n = x.shape[1] - kernel + 1
+        w = self.weight[:, :, 0].T  # [kernel, C]
+        y = x[:, :n] * w[0]
+        for j in range(1, kernel):
+            y = y + x[:, j:j + n] * w[j]
+        return y + self.bias if "bias" in self else y
+
+
+def depthwise(conv) -> bool:
+    return (isinstance(conv, nn.Conv1d) and conv.groups == conv.weight.shape[0] > 1
+            and conv.weight.shape[2] == 1 and conv.stride == 1 and conv.padding == 0
+            and conv.dilation == 1)
+
+
+def apply(model: nn.Module) -> int:
+    """Swap the model's causal depthwise convolutions for ShiftedConv1d. Returns the count."""
+    swaps = [(parent, name) for _, parent in model.named_modules()
+             for name, child in parent.children().items() if depthwise(child)]
+    for parent, name in swaps:
+        setattr(parent, name, ShiftedConv1d(getattr(parent, name)))
+    return len(swaps)
 
 
 def install(enabled: bool = True) -> bool:

@@ -1,6 +1,7 @@
 """Prefill speed of a hybrid (Qwen3.5) model: one prompt at a time, time to its first token,
-ours with the chunkwise gated-delta prefill against ours with mlx-lm's per-token loop
-(`runtime.chunked_delta = false`) and against mlx_lm.server, on the same model and BLAS.
+ours with the chunkwise gated-delta prefill (and shifted-sum convolutions) against ours
+with mlx-lm's per-token loop and MLX's convolution
+(`runtime.linear_prefill = false`: as before) and against mlx_lm.server, on the same model and BLAS.
 
     python -m benchmarks.serving.hybrid [--model qwen3_5-small] [--tokens 512 2000] [--repeats 2]
 
@@ -64,8 +65,8 @@ def main(argv: list[str] | None = None) -> int:
     results = {}
     with ours(model_dir, args.blas) as target:
         results["ours"] = measure(target, prompts)
-    with ours(model_dir, args.blas, ["runtime.chunked_delta=false"]) as target:
-        results["ours, per-token loop"] = measure(target, prompts)
+    with ours(model_dir, args.blas, ["runtime.linear_prefill=false"]) as target:
+        results["ours, mlx-lm's loop (before)"] = measure(target, prompts)
     if not args.no_mlx_lm:
         with mlx_lm_server(model_dir, args.blas, eos) as target:
             results["mlx_lm.server"] = measure(target, prompts)

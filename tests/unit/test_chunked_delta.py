@@ -90,3 +90,38 @@ def test_install_dispatches_by_length_and_mask_and_can_be_undone():
         assert not chunked_delta.install(False) and gated_delta.gated_delta_ops is spy
     finally:
         gated_delta.gated_delta_ops = saved
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("T", [4, 5, 40])
+def test_shifted_sums_equal_mlx_depthwise_convolution(bias, T):
+    import mlx.nn as nn
+
+    conv = nn.Conv1d(24, 24, 4, groups=24, bias=bias)
+    x = mx.random.normal((2, T, 24))
+    assert rel(chunked_delta.ShiftedConv1d(conv)(x), conv(x)) < 1e-6
+
+
+def test_apply_swaps_only_causal_depthwise_convolutions():
+    import mlx.nn as nn
+
+    class Layer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv1d = nn.Conv1d(16, 16, 4, groups=16, bias=False)
+            self.dense = nn.Conv1d(16, 16, 4)  # not depthwise
+            self.padded = nn.Conv1d(16, 16, 4, groups=16, padding=3)
+
+    model = nn.Sequential(Layer(), Layer())
+    assert chunked_delta.apply(model) == 2
+    layer = model.layers[0]
+    assert isinstance(layer.conv1d, chunked_delta.ShiftedConv1d)
+    assert isinstance(layer.dense, nn.Conv1d) and isinstance(layer.padded, nn.Conv1d)
+    assert "conv1d.weight" in dict(mlx_flatten(layer.parameters()))
+    assert chunked_delta.apply(model) == 0  # once
+
+
+def mlx_flatten(tree):
+    from mlx.utils import tree_flatten
+
+    return tree_flatten(tree)

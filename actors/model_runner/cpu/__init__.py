@@ -53,6 +53,7 @@ class Installed:
     greedy_head_mib: float  # the greedy head's int8 copy of the LM head (0: not in use)
     greedy: Any = field(default=None, repr=False)  # the GreedyHead, or None
     chunked_delta: bool = False  # prompt chunks' gated-delta recurrence in blocks
+    shifted_convs: int = 0  # depthwise convolutions computed as shifted sums
 
     def log_fields(self) -> dict[str, Any]:
         """The fields of the `runner.blas` log (the weight plan and the greedy head object
@@ -90,7 +91,8 @@ def install(model: nn.Module, runtime: RuntimeConfig, vocab_size: int) -> Instal
         attention.install(model)  # after fastmath: it falls back to fastmath's dispatcher
     from actors.model_runner import chunked_delta
 
-    chunked = chunked_delta.install(runtime.chunked_delta)
+    chunked = chunked_delta.install(runtime.linear_prefill)
+    convs = chunked_delta.apply(model) if runtime.linear_prefill else 0
     head_modules = head.install(model, vocab_size)
     greedy = None
     if compiled is not None and runtime.greedy_head:
@@ -112,4 +114,5 @@ def install(model: nn.Module, runtime: RuntimeConfig, vocab_size: int) -> Instal
         greedy_head_mib=round(greedy.nbytes / 2**20, 1) if greedy is not None else 0.0,
         greedy=greedy,
         chunked_delta=chunked,
+        shifted_convs=convs,
     )
