@@ -6,6 +6,7 @@ from __future__ import annotations
 import warnings
 
 import mlx.core as mx
+import mlx.nn as nn
 import pytest
 from mlx_lm.models import activations, base, qwen3, qwen3_next
 from mlx_lm.models.cache import make_prompt_cache
@@ -116,3 +117,33 @@ def test_greedy_tokens_are_unchanged_on_a_real_model(model_cache, name, monkeypa
     assert got == want
     assert mx.allclose(got_logits, want_logits, atol=1e-3).item()
     assert not mx.array_equal(got_logits, want_logits).item()  # the NumPy path did run
+
+
+def test_silu_and_precise_swiglu_match_mlx():
+    mx.random.seed(6)
+    x = mx.random.normal((300, 1024)) * 6
+    x[0, :3] = mx.array([-200.0, 89.0, 0.0])
+    h = mx.random.normal((300, 1024))
+    with fastmath.active():
+        got_silu = fastmath.silu(x)
+        got_gated = fastmath.precise_swiglu(h, x, h)
+    assert mx.allclose(got_silu, nn.silu(x), atol=1e-5, rtol=1e-5).item()
+    assert mx.allclose(got_gated, activations.precise_swiglu(h, x, h), atol=1e-5,
+                       rtol=1e-5).item()
+    small = x[:2, :8]
+    with fastmath.active():  # below the threshold: MLX's own, bit for bit
+        assert mx.array_equal(fastmath.silu(small), nn.silu(small)).item()
+
+
+def test_install_gives_the_hybrid_modules_the_fast_silu(model_cache):
+    from mlx_lm.models import qwen3_5
+
+    qwen3_5.nn = nn
+    qwen3_next.precise_swiglu = activations.precise_swiglu
+    model = load_model(str(ensure_builtin("qwen3_5-tiny", cache_dir=model_cache,
+                                          progress=False)))
+    assert fastmath.install(model) >= 2
+    assert qwen3_5.nn.silu is fastmath.silu and qwen3_5.nn.Linear is nn.Linear
+    assert qwen3_next.precise_swiglu is fastmath.precise_swiglu
+    assert qwen3.nn is nn  # no `nn.silu(` call there: left alone
+    assert fastmath.install(model) == 0

@@ -24,7 +24,9 @@ values, so it first lets the runner's pipeline send the previous step's result
 
 from __future__ import annotations
 
+import inspect
 import sys
+import types
 from contextlib import contextmanager
 from typing import Iterator
 
@@ -46,6 +48,7 @@ SWIGLU_MIN_ELEMENTS = 1 << 18
 
 _stock_attention = base.scaled_dot_product_attention
 _stock_swiglu = activations.swiglu
+_stock_precise_swiglu = activations.precise_swiglu
 _on = ThreadFlag(False)
 
 
@@ -127,17 +130,59 @@ def swiglu(gate: mx.array, x: mx.array) -> mx.array:
     return gate * x / (1.0 + decay)
 
 
+def silu(x: mx.array) -> mx.array:
+    """nn.silu, with the sigmoid's exp in NumPy when it pays."""
+    if x.size < SWIGLU_MIN_ELEMENTS or not _wanted(x):
+        return nn.silu(x)
+    before_host_sync()
+    with np.errstate(over="ignore"):
+        decay = mx.array(np.exp(-np.asarray(x)))
+    return x / (1.0 + decay)
+
+
+def precise_swiglu(h: mx.array, gate: mx.array, x: mx.array) -> mx.array:
+    """mlx-lm's precise_swiglu (the gated RMS norm of Qwen3-Next / Qwen3.5): silu(gate) * x
+    in float32, cast to h's dtype."""
+    if gate.size < SWIGLU_MIN_ELEMENTS or not _wanted(h, gate, x):
+        return _stock_precise_swiglu(h, gate, x)
+    return swiglu(gate, x).astype(h.dtype)
+
+
+class _NN(types.ModuleType):
+    """mlx.nn as the model modules that call `nn.silu` see it (the gated-delta layers'
+    convolution output, [tokens, 3 x 1,024] per layer of a prefill chunk): silu through the
+    dispatcher above, everything else mlx.nn's own."""
+
+    def __getattr__(self, name: str):
+        return getattr(nn, name)
+
+
+_nn = _NN("mlx.nn")
+_nn.silu = silu
+
+
 def install(model: nn.Module) -> int:
-    """Point the model's modules' attention and SwiGLU at the dispatchers above (CPU only).
-    Returns how many module globals were changed; a second call changes nothing."""
+    """Point the model's modules' attention, SwiGLU and SiLU at the dispatchers above (CPU
+    only). Returns how many module globals were changed; a second call changes nothing."""
     if mx.default_device() != mx.cpu:
         return 0
     changed = 0
     names = {type(layer).__module__ for _, layer in model.named_modules()}
     for module in filter(None, (sys.modules.get(name) for name in names)):
         for name, stock, ours in (("scaled_dot_product_attention", _stock_attention, attention),
-                                  ("swiglu", _stock_swiglu, swiglu)):
+                                  ("swiglu", _stock_swiglu, swiglu),
+                                  ("precise_swiglu", _stock_precise_swiglu, precise_swiglu)):
             if getattr(module, name, None) is stock:
                 setattr(module, name, ours)
                 changed += 1
+        if getattr(module, "nn", None) is nn and "nn.silu(" in _source(module):
+            module.nn = _nn
+            changed += 1
     return changed
+
+
+def _source(module) -> str:
+    try:
+        return inspect.getsource(module)
+    except (OSError, TypeError):
+        return ""
