@@ -50,6 +50,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--blas", default="auto")
     p.add_argument("--no-mlx-lm", action="store_true")
+    p.add_argument("--set", action="append", default=[], help="extra launch --set overrides "
+                   "(both of our configurations)")
     p.add_argument("--json", help="write the results here too")
     args = p.parse_args(argv)
     from models.builtin import ensure_builtin
@@ -63,9 +65,9 @@ def main(argv: list[str] | None = None) -> int:
         prompts[n] = [maker.make(n, seed=100 * k + r) for r in range(args.repeats)]
     eos = read_model_info(model_dir).eos_ids
     results = {}
-    with ours(model_dir, args.blas) as target:
+    with ours(model_dir, args.blas, args.set) as target:
         results["ours"] = measure(target, prompts)
-    with ours(model_dir, args.blas, ["runtime.linear_prefill=false"]) as target:
+    with ours(model_dir, args.blas, ["runtime.linear_prefill=false", *args.set]) as target:
         results["ours, mlx-lm's loop (before)"] = measure(target, prompts)
     if not args.no_mlx_lm:
         with mlx_lm_server(model_dir, args.blas, eos) as target:
