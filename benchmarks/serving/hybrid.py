@@ -36,6 +36,42 @@ async def ttft(target: Target, prompt: str) -> float:
     return took
 
 
+SHORT = ["Hi!", "What is rain?", "Name a color.", "Count to three.", "Tell me a joke.",
+         "2 + 2 =", "Why is the sky blue?", "Say hello in French.", "List two fruits.",
+         "Good morning, how are you today?"]
+
+
+async def _repeat_one(target: Target, prompt: str) -> tuple[float, int, int]:
+    """TTFT, cached and prompt tokens of one streamed completion."""
+    client = target.client()
+    start, first, usage = time.perf_counter(), 0.0, None
+    stream = await client.completions.create(
+        model=target.model, prompt=prompt, max_tokens=4, temperature=0, stream=True,
+        stream_options={"include_usage": True}, extra_body=target.extra)
+    async for chunk in stream:
+        if not first and chunk.choices:
+            first = time.perf_counter() - start
+        usage = chunk.usage or usage
+    await client.close()
+    details = usage.prompt_tokens_details if usage is not None else None
+    return first, (details.cached_tokens if details else 0) or 0, usage.prompt_tokens
+
+
+def repeats(target: Target) -> dict:
+    """Each short prompt sent twice in a row: did the second hit, and its TTFT over the
+    first's."""
+    rows = []
+    for p in SHORT:
+        one = asyncio.run(_repeat_one(target, p))
+        two = asyncio.run(_repeat_one(target, p))
+        rows.append({"prompt_tokens": two[2], "ttft_first": one[0], "ttft_second": two[0],
+                     "cached_second": two[1]})
+    hits = sum(r["cached_second"] >= r["prompt_tokens"] - 1 for r in rows)
+    ratios = sorted(r["ttft_second"] / r["ttft_first"] for r in rows)
+    return {"hits": hits, "of": len(rows), "ttft_ratio_median": ratios[len(ratios) // 2],
+            "ttft_ratio_max": ratios[-1], "rows": rows}
+
+
 def measure(target: Target, prompts: dict[int, list[str]]) -> dict[int, float]:
     asyncio.run(ttft(target, prompts[0][0]))  # warm-up
     return {n: max(n / asyncio.run(ttft(target, p)) for p in ps)
@@ -67,6 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     results = {}
     with ours(model_dir, args.blas, args.set) as target:
         results["ours"] = measure(target, prompts)
+        repeat = repeats(target)
     with ours(model_dir, args.blas, ["runtime.linear_prefill=false", *args.set]) as target:
         results["ours, mlx-lm's loop (before)"] = measure(target, prompts)
     if not args.no_mlx_lm:
@@ -83,8 +120,11 @@ def main(argv: list[str] | None = None) -> int:
         if name != "ours":
             print(f"ours / {name}: " + ", ".join(f"{base[n] / row[n]:.2f}x at {n}"
                                                  for n in args.tokens))
+    print(f"\nten short prompts sent twice: {repeat['hits']} of {repeat['of']} second sends "
+          f"cached >= prompt - 1 tokens; their TTFT / the first send's: median "
+          f"{repeat['ttft_ratio_median']:.2f}, max {repeat['ttft_ratio_max']:.2f}")
     if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=2))
+        Path(args.json).write_text(json.dumps({**results, "repeats": repeat}, indent=2))
     return 0
 
 

@@ -110,3 +110,26 @@ def test_prefix_cache_on_and_off_give_the_same_tokens(model_cache, model):
     assert g.events("cache.hit") and g.events("scheduler.config")[0]["prefix_cache"]
     if model.startswith("qwen3_5"):
         assert g.events("scheduler.config")[0]["state_slots"] > 0
+
+
+SHORT = ["Hi!", "What is rain?", "Name a color.", "Count to three.", "Tell me a joke.",
+         "2 + 2 =", "Why is the sky blue?", "Say hello in French.", "List two fruits.",
+         "Good morning"]
+
+
+@pytest.mark.parametrize("builtin", ["qwen3_5-tiny", "qwen3-tiny"])
+def test_short_prompts_sent_twice_hit_the_cache(model_cache, builtin):
+    """A short prompt's state is snapshotted before its last token (hybrid), so a repeat or a
+    retry resumes there, computing one token, with the same tokens as the first send."""
+    ensure_builtin(builtin, cache_dir=model_cache, progress=False)
+    g = Graph(f"model.builtin={builtin}")
+    try:
+        with Client(g.address, timeout=120) as c:
+            pairs = [(c.generate(p, max_new_tokens=6), c.generate(p, max_new_tokens=6))
+                     for p in SHORT]
+    finally:
+        assert g.stop() == 0
+    hits = [second.cached_tokens >= second.prompt_tokens - 1 for _, second in pairs]
+    assert sum(hits) >= 9, [(f.cached_tokens, s.cached_tokens, s.prompt_tokens)
+                            for f, s in pairs]
+    assert all(first.token_ids == second.token_ids for first, second in pairs)

@@ -57,27 +57,39 @@ def test_finish_donates_the_live_slot_and_a_hit_copies_it():
     s.add("a", prompt, P(max_new_tokens=1))
     b = s.schedule()
     live = b.admit_states[0]
-    finish(s, b, token=7)  # max_new_tokens=1: ends here, nothing in flight
+    # The chunk ends before the prompt's last token, so the state there is snapshotted.
+    assert b.input_lens == [9]
+    last = s.schedule()
+    assert kinds(last) == [m.OpKind.KV_SAVE, m.OpKind.SNAPSHOT] and last.input_lens == [1]
+    snapshot = last.ops[1].dst
+    finish(s, b)
+    finish(s, last, token=7)  # max_new_tokens=1: ends here, nothing in flight
     release = s.schedule()
     # Its KV is saved, its live state slot is donated (no copy, no snapshot), its row freed.
     assert kinds(release) == [m.OpKind.KV_SAVE, m.OpKind.DONATE]
     assert release.release_rows == b.rows
     donate = release.ops[1]
     assert (donate.src, donate.dst) == (live, b.rows[0])
-    assert len(unpack_ids(release.ops[0].slots)) == len(prompt)
+    assert len(unpack_ids(release.ops[0].slots)) == 1  # the 9 before were saved already
     node = s.memory.tree.match(prompt, need_state=True).node
     assert node.state == live and live in s.memory.states.owned  # now held by the tree
     finish(s, release)
     # Same prompt again: the prefix (all but the last prompt token is usable) must resume
-    # from a state snapshot, so the hit is at the donated node only if it ends at <= len - 1.
-    s.add("b", prompt + [5, 6], P(max_new_tokens=1))
+    # from a state snapshot: the one taken before the last prompt token.
+    s.add("b", prompt, P(max_new_tokens=1))
     hit = s.schedule()
     assert kinds(hit) == [m.OpKind.KV_LOAD, m.OpKind.COPY]
     load, copy = hit.ops
-    assert load.dst == hit.rows[0] and len(unpack_ids(load.slots)) == 10
-    assert copy.src == live and copy.dst == hit.admit_states[0] != live
-    assert hit.start_pos == [10] and hit.input_lens == [2]
-    finish(s, hit)
+    assert load.dst == hit.rows[0] and len(unpack_ids(load.slots)) == 9
+    assert copy.src == snapshot and copy.dst == hit.admit_states[0] != live
+    assert hit.start_pos == [9] and hit.input_lens == [1]
+    finish(s, hit, token=7)
+    # A longer prompt resumes from the donated state at the end of the first request.
+    s.add("c", prompt + [5, 6], P(max_new_tokens=1))
+    longer = s.schedule()
+    assert longer.start_pos == [10] and kinds(longer)[-2:] == [m.OpKind.KV_LOAD, m.OpKind.COPY]
+    assert longer.ops[-1].src == live
+    finish(s, longer)
     run_to_idle(s)
     assert not any(s.leaks().values())
 
