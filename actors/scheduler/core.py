@@ -188,6 +188,8 @@ class Scheduler:
             n -= 1
         if self.snapshot_interval:
             n = min(n, self.snapshot_interval - req.filled % self.snapshot_interval)
+        if req.snapshot_at > req.filled:
+            n = min(n, req.snapshot_at - req.filled)
         if n <= 0:
             return 0
         last = req.filled + n == len(req.fill)

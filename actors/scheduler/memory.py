@@ -51,6 +51,11 @@ class Memory:
         req.slots = (match.slots if match else []) + self.slots.alloc(len(req.fill) - cached)
         req.tree_len, req.lock = cached, match.node if match else None
         req.filled = req.kv_len = cached
+        req.snapshot_at = 0
+        if match is not None and self.states is not None:
+            shared = self.tree.shared(req.fill[:-1])
+            if shared > cached:  # a system prompt others share, snapshotted short of its end
+                req.snapshot_at = shared
         if not req.retractions:
             req.cached = cached
         if cached:

@@ -91,6 +91,21 @@ class RadixCache:
         slots = [s for n in path[1:best_len] for s in n.slots]
         return Match(best, best_i, slots, best.state)
 
+    def shared(self, tokens: Sequence[int]) -> int:
+        """How many leading tokens are cached, states or not (read only: no split, no
+        touch)."""
+        node, i = self.root, 0
+        while i < len(tokens):
+            child = node.children.get(tokens[i])
+            if child is None:
+                break
+            p = _common(child.key, tokens, i)
+            i += p
+            if p < len(child.key):
+                break
+            node = child
+        return i
+
     def insert(self, tokens: Sequence[int], slots: Sequence[int], state: int | None = None) -> Node:
         """Cache tokens[i] -> slots[i]; the tree takes ownership of every slot passed. Where a
         token is already cached the tree keeps its slot and frees the caller's, unless they are

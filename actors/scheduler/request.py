@@ -54,6 +54,10 @@ class Request:
     output: list[int] = field(default_factory=list)
     fill: list[int] = field(default_factory=list)
     filled: int = 0
+    # Hybrid models: a prefill chunk ends here (admission found the prompt sharing this many
+    # tokens with a cached one, past its last state snapshot), so a snapshot is taken where
+    # the two diverge and the next prompt sharing them resumes there. 0: none.
+    snapshot_at: int = 0
     kv_len: int = 0
     sampled: int = 0
     inflight: int = 0

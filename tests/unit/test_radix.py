@@ -375,3 +375,22 @@ class RadixMachine(RuleBasedStateMachine):
 
 RadixMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
 test_radix_machine = RadixMachine.TestCase
+
+
+def test_shared_counts_cached_tokens_without_changing_the_tree():
+    cache = make_cache(states=4)
+    pool = cache.kv
+    cache.insert([1, 2, 3, 4, 5], pool.alloc(5))
+    cache.insert([1, 2, 9], pool.alloc(3))
+    stamps = {id(n): n.stamp for n in _nodes(cache.root)}
+    assert cache.shared([1, 2, 3, 7]) == 3  # into the middle of an edge
+    assert cache.shared([1, 2, 9, 9]) == 3
+    assert cache.shared([1, 2, 3, 4, 5, 6]) == 5
+    assert cache.shared([8]) == 0 and cache.shared([]) == 0
+    assert {id(n): n.stamp for n in _nodes(cache.root)} == stamps  # no split, no touch
+
+
+def _nodes(node):
+    yield node
+    for child in node.children.values():
+        yield from _nodes(child)

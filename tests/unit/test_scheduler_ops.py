@@ -171,3 +171,27 @@ def test_n_choices_share_the_prompt_without_the_prefix_cache_and_leave_nothing_c
     assert s.memory.tree.cached_tokens == 0 and s.memory.states.available == 8
     s.add("again", list(range(1, 21)), P(max_new_tokens=1))  # a later request: no hit
     assert s.schedule().input_lens == [20]
+
+
+def test_a_shared_system_prompt_is_snapshotted_where_prompts_diverge():
+    s = make(chunk=64)
+    system = list(range(1, 21))
+    s.add("a", system + [30, 31, 32], P(max_new_tokens=1))
+    run_to_idle(s)
+    # b shares 20 tokens with a, but a's snapshots are at its prompt's end and its finish
+    # only: b resumes from nothing, and its first chunk ends where the two diverge.
+    s.add("b", system + [40, 41, 42], P(max_new_tokens=1))
+    first = s.schedule()
+    assert first.start_pos == [0] and first.input_lens == [20]
+    second = s.schedule()
+    assert m.OpKind.SNAPSHOT in kinds(second) and second.start_pos == [20]
+    finish(s, first)
+    finish(s, second)
+    run_to_idle(s)
+    # c resumes at the divergence snapshot: only its own question is computed.
+    s.add("c", system + [50, 51], P(max_new_tokens=1))
+    hit = s.schedule()
+    assert hit.start_pos == [20] and kinds(hit) == [m.OpKind.KV_LOAD, m.OpKind.COPY]
+    finish(s, hit)
+    run_to_idle(s)
+    assert not any(s.leaks().values())
