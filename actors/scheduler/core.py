@@ -172,24 +172,13 @@ class Scheduler:
         self.running.append(req)
         return req
 
-    def _split_last(self, req: Request) -> bool:
-        """Dense models keep every prompt position's KV in the tree anyway; a hybrid model
-        resumes only at a state snapshot, taken where a chunk ends."""
-        memory = self.memory
-        return memory.tree is not None and (bool(req.group) or (
-            memory.prefix and memory.states is not None))
-
     def _prefill_chunk(self, req: Request, budget: int, step: BatchBuilder) -> int:
         n = min(len(req.fill) - req.filled, budget)
-        if self._split_last(req) and n == len(req.fill) - req.filled > 1:
-            # End a chunk before the prompt's last token: the prefix cache then holds the
-            # prompt up to there (a hybrid model's state snapshotted at that boundary), so
-            # n > 1 siblings, an exact repeat or a retry resume there and compute one token.
-            n -= 1
         if self.snapshot_interval:
             n = min(n, self.snapshot_interval - req.filled % self.snapshot_interval)
-        if req.snapshot_at > req.filled:
-            n = min(n, req.snapshot_at - req.filled)
+        end = next((e for e in req.chunk_ends if e > req.filled), 0)
+        if end:
+            n = min(n, end - req.filled)
         if n <= 0:
             return 0
         last = req.filled + n == len(req.fill)

@@ -54,10 +54,9 @@ class Request:
     output: list[int] = field(default_factory=list)
     fill: list[int] = field(default_factory=list)
     filled: int = 0
-    # Hybrid models: a prefill chunk ends here (admission found the prompt sharing this many
-    # tokens with a cached one, past its last state snapshot), so a snapshot is taken where
-    # the two diverge and the next prompt sharing them resumes there. 0: none.
-    snapshot_at: int = 0
+    # Positions where a prefill chunk must end, ascending, set at admission: the radix tree
+    # takes the prefix (a hybrid model's state snapshotted) where a chunk ends (memory.py).
+    chunk_ends: list[int] = field(default_factory=list)
     kv_len: int = 0
     sampled: int = 0
     inflight: int = 0
