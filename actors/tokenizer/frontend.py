@@ -152,7 +152,7 @@ class Frontend:
         if (identity, req.req_id) in self.by_client:
             raise RequestError(f"req_id {req.req_id[:64]!r} is already open on this connection",
                                param="req_id")
-        ids = self._tokenize(req)
+        ids = self.tokenize(req)
         self._check_params(req)
         if len(ids) >= self.model.context_length:
             raise RequestError(f"prompt has {len(ids)} tokens; the model's context is "
@@ -188,7 +188,9 @@ class Frontend:
         if any(not s for s in req.stop):
             raise RequestError("stop: a stop string must not be empty", param="stop")
 
-    def _tokenize(self, req: m.GenerateRequest) -> list[int]:
+    def tokenize(self, req: m.GenerateRequest) -> list[int]:
+        """A request's prompt tokens (its text, token ids or chat messages rendered by the
+        model's template); RequestError naming the field that cannot be tokenized."""
         given = sum(map(bool, (req.prompt, req.input_ids, req.messages)))
         if given == 0:
             raise RequestError("empty prompt: give one of prompt, input_ids or messages")

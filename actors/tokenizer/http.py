@@ -17,9 +17,9 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response, Strea
 from starlette.routing import Route
 
 from actors.tokenizer.intake import RequestError
-from actors.tokenizer.openai_format import (Choice, TokenizeBody, chat_chunk, chat_response,
-                                            completion_chunk, completion_response, error_body,
-                                            parse_chat, parse_completion, parse_tokenize, usage)
+from actors.tokenizer.openai_format import (Choice, chat_chunk, chat_response, completion_chunk,
+                                            completion_response, error_body, parse_chat,
+                                            parse_completion, parse_tokenize, usage)
 from protocol import messages as m
 from protocol.config import LimitsConfig
 
@@ -38,7 +38,7 @@ class Bridge(Protocol):
     def token_text(self, token_id: int) -> str: ...
     def internal_error(self) -> None: ...
     def server_info(self) -> dict[str, Any]: ...
-    def tokenize(self, body: TokenizeBody) -> list[int]: ...
+    def tokenize(self, req: m.GenerateRequest) -> list[int]: ...
 
 
 def build_app(bridge: Bridge) -> Starlette:

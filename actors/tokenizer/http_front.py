@@ -13,8 +13,6 @@ from typing import Any
 import uvicorn
 
 from actors.tokenizer.http import build_app
-from actors.tokenizer.intake import RequestError
-from actors.tokenizer.openai_format import TokenizeBody, chat_messages
 from protocol import messages as m
 
 # Every HTTP request is answered through this one pseudo client identity: its req_ids are
@@ -119,19 +117,8 @@ class HttpFront:
                 "max_running_requests": cfg.scheduler.max_running_requests,
                 "engine": "mlx-actor-serve"}
 
-    def tokenize(self, body: TokenizeBody) -> list[int]:
-        """A prompt's token ids as a generate request would get them (RequestError if not)."""
-        tokenizer = self.front.tokenizer
-        try:
-            if body.messages is not None:
-                # As a chat request renders them: the assistant's turn opened.
-                return list(tokenizer.apply_chat_template(chat_messages(body),
-                                                          **(body.chat_template_kwargs or {})))
-            return list(tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens))
-        except RequestError:
-            raise
-        except Exception as e:  # a template or text the tokenizer refuses is the caller's
-            raise RequestError(f"cannot be tokenized: {str(e)[:200]}") from None
+    def tokenize(self, req: m.GenerateRequest) -> list[int]:
+        return self.front.tokenize(req)
 
     def metrics(self) -> str:
         return self.actor.metrics.render(self.model_name, len(self.front.open),

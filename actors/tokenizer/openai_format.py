@@ -160,7 +160,7 @@ def _content(msg: ChatMessageBody) -> str:
 
 def parse_chat(raw: bytes, limits: LimitsConfig) -> tuple[list[m.GenerateRequest], dict]:
     c = decode_body(raw, ChatBody, limits)
-    messages = [m.ChatMessage(role=msg.role, content=_content(msg)) for msg in c.messages]
+    messages = _messages(c.messages)
     if not messages:
         raise RequestError("messages must not be empty", param="messages")
     names = dict(_CHAT_NAMES, max_new_tokens="max_completion_tokens"
@@ -178,19 +178,22 @@ class TokenizeBody(msgspec.Struct, kw_only=True):
     model: str = ""
     prompt: str | None = None
     messages: list[ChatMessageBody] | None = None
-    add_special_tokens: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
 
 
-def parse_tokenize(raw: bytes, limits: LimitsConfig) -> TokenizeBody:
+def parse_tokenize(raw: bytes, limits: LimitsConfig) -> m.GenerateRequest:
+    """The request whose prompt tokens /tokenize answers with: they are tokenized as a
+    generate request's are (Frontend.tokenize)."""
     body = decode_body(raw, TokenizeBody, limits)
     if (body.prompt is None) == (body.messages is None):
         raise RequestError("give one of prompt or messages", param="prompt")
-    return body
+    return m.GenerateRequest(req_id="tokenize", prompt=body.prompt or "",
+                             messages=_messages(body.messages or []),
+                             chat_template_kwargs=body.chat_template_kwargs or {})
 
 
-def chat_messages(body: TokenizeBody) -> list[dict[str, str]]:
-    return [{"role": msg.role, "content": _content(msg)} for msg in body.messages or []]
+def _messages(bodies: list[ChatMessageBody]) -> list[m.ChatMessage]:
+    return [m.ChatMessage(role=msg.role, content=_content(msg)) for msg in bodies]
 
 
 @dataclass
