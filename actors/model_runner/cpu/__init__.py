@@ -75,6 +75,7 @@ class Installed:
 
 def install(model: nn.Module, runtime: RuntimeConfig, vocab_size: int) -> Installed:
     """Apply every patch the `[runtime]` config asks for to `model` (in place)."""
+    from actors.model_runner import chunked_delta
     from actors.model_runner.cpu import (attention, blas, fastmath, greedy_head, head,
                                          norm_rope, skinny, weights)
 
@@ -89,8 +90,6 @@ def install(model: nn.Module, runtime: RuntimeConfig, vocab_size: int) -> Instal
     fast_math_globals = fastmath.install(model) if runtime.fast_math else 0
     if compiled is not None:
         attention.install(model)  # after fastmath: it falls back to fastmath's dispatcher
-    from actors.model_runner import chunked_delta
-
     chunked = chunked_delta.install(runtime.linear_prefill)
     convs = chunked_delta.apply(model) if runtime.linear_prefill else 0
     head_modules = head.install(model, vocab_size)

@@ -124,20 +124,21 @@ def swiglu(gate: mx.array, x: mx.array) -> mx.array:
     """silu(gate) * x, with the sigmoid's exp in NumPy when it pays."""
     if gate.size < SWIGLU_MIN_ELEMENTS or not _wanted(gate, x):
         return _stock_swiglu(gate, x)
-    before_host_sync()
-    with np.errstate(over="ignore"):  # exp(-gate) = inf for gate < -88: silu is -0.0 there
-        decay = mx.array(np.exp(-np.asarray(gate)))
-    return gate * x / (1.0 + decay)
+    return gate * x / (1.0 + _exp_neg(gate))
 
 
 def silu(x: mx.array) -> mx.array:
     """nn.silu, with the sigmoid's exp in NumPy when it pays."""
     if x.size < SWIGLU_MIN_ELEMENTS or not _wanted(x):
         return nn.silu(x)
+    return x / (1.0 + _exp_neg(x))
+
+
+def _exp_neg(x: mx.array) -> mx.array:
+    """exp(-x) by NumPy (evaluates `x`)."""
     before_host_sync()
-    with np.errstate(over="ignore"):
-        decay = mx.array(np.exp(-np.asarray(x)))
-    return x / (1.0 + decay)
+    with np.errstate(over="ignore"):  # exp(-x) = inf for x < -88: silu is -0.0 there
+        return mx.array(np.exp(-np.asarray(x)))
 
 
 def precise_swiglu(h: mx.array, gate: mx.array, x: mx.array) -> mx.array:
