@@ -1,12 +1,13 @@
 """Prefill speed of a hybrid (Qwen3.5) model: one prompt at a time, time to its first token,
-ours with the chunkwise gated-delta prefill (and shifted-sum convolutions) against ours
-with mlx-lm's per-token loop and MLX's convolution
-(`runtime.linear_prefill = false`: as before) and against mlx_lm.server, on the same model and BLAS.
+ours with the chunkwise gated-delta prefill (and shifted-sum convolutions) against ours with
+mlx-lm's per-token loop and MLX's convolution (`runtime.linear_prefill = false`: as before)
+and against mlx_lm.server, on the same model and BLAS.
 
     python -m benchmarks.serving.hybrid [--model qwen3_5-small] [--tokens 512 2000] [--repeats 2]
 
 Every request is a fresh prompt (no prefix cache hit) of exactly that many tokens asking for
-one output token; prefill tokens/s = prompt tokens / TTFT, the best of the repeats.
+two output tokens; prefill tokens/s = prompt tokens / TTFT (the first streamed text), the best
+of the repeats.
 """
 
 from __future__ import annotations
@@ -15,25 +16,22 @@ import argparse
 import asyncio
 import json
 import sys
-import time
 from pathlib import Path
 
-from benchmarks.serving.load import PromptMaker, Target
+from benchmarks.serving.load import PromptMaker, Sample, Target, one
 from benchmarks.serving.servers import mlx_lm_server, ours
 
 
-async def ttft(target: Target, prompt: str) -> float:
+async def sample(target: Target, prompt: str, max_tokens: int) -> Sample:
+    """One streamed completion, as the serving benchmark sends them (load.one)."""
     client = target.client()
-    start = time.perf_counter()
-    stream = await client.completions.create(model=target.model, prompt=prompt, max_tokens=1,
-                                             temperature=0, stream=True, extra_body=target.extra)
-    async for _ in stream:
-        break
-    took = time.perf_counter() - start
-    async for _ in stream:  # let it finish before the next one
-        pass
-    await client.close()
-    return took
+    try:
+        got = await one(client, target, prompt, max_tokens)
+    finally:
+        await client.close()
+    if got.error:
+        raise RuntimeError(f"{target.name}: {got.error}")
+    return got
 
 
 SHORT = ["Hi!", "What is rain?", "Name a color.", "Count to three.", "Tell me a joke.",
@@ -41,31 +39,15 @@ SHORT = ["Hi!", "What is rain?", "Name a color.", "Count to three.", "Tell me a 
          "Good morning, how are you today?"]
 
 
-async def _repeat_one(target: Target, prompt: str) -> tuple[float, int, int]:
-    """TTFT, cached and prompt tokens of one streamed completion."""
-    client = target.client()
-    start, first, usage = time.perf_counter(), 0.0, None
-    stream = await client.completions.create(
-        model=target.model, prompt=prompt, max_tokens=4, temperature=0, stream=True,
-        stream_options={"include_usage": True}, extra_body=target.extra)
-    async for chunk in stream:
-        if not first and chunk.choices:
-            first = time.perf_counter() - start
-        usage = chunk.usage or usage
-    await client.close()
-    details = usage.prompt_tokens_details if usage is not None else None
-    return first, (details.cached_tokens if details else 0) or 0, usage.prompt_tokens
-
-
 def repeats(target: Target) -> dict:
     """Each short prompt sent twice in a row: did the second hit, and its TTFT over the
     first's."""
     rows = []
     for p in SHORT:
-        one = asyncio.run(_repeat_one(target, p))
-        two = asyncio.run(_repeat_one(target, p))
-        rows.append({"prompt_tokens": two[2], "ttft_first": one[0], "ttft_second": two[0],
-                     "cached_second": two[1]})
+        first = asyncio.run(sample(target, p, 4))
+        second = asyncio.run(sample(target, p, 4))
+        rows.append({"prompt_tokens": second.prompt_tokens, "ttft_first": first.ttft,
+                     "ttft_second": second.ttft, "cached_second": second.cached_tokens})
     hits = sum(r["cached_second"] >= r["prompt_tokens"] - 1 for r in rows)
     ratios = sorted(r["ttft_second"] / r["ttft_first"] for r in rows)
     return {"hits": hits, "of": len(rows), "ttft_ratio_median": ratios[len(ratios) // 2],
@@ -73,8 +55,8 @@ def repeats(target: Target) -> dict:
 
 
 def measure(target: Target, prompts: dict[int, list[str]]) -> dict[int, float]:
-    asyncio.run(ttft(target, prompts[0][0]))  # warm-up
-    return {n: max(n / asyncio.run(ttft(target, p)) for p in ps)
+    asyncio.run(sample(target, prompts[0][0], 2))  # warm-up
+    return {n: max(n / asyncio.run(sample(target, p, 2)).ttft for p in ps)
             for n, ps in prompts.items() if n}
 
 

@@ -48,6 +48,8 @@ class Sample:
     chunks: list[float] = field(default_factory=list)  # arrival time of each content chunk
     tokens: int = 0  # completion tokens, from the usage chunk (else the chunk count)
     error: str = ""
+    prompt_tokens: int = 0  # from the usage chunk
+    cached_tokens: int = 0  # prompt tokens the server took from its prefix cache
 
     @property
     def ttft(self) -> float:
@@ -87,8 +89,10 @@ async def one(client: openai.AsyncOpenAI, target: Target, prompt: str, max_token
                 sample.chunks.append(now)
                 if len(sample.chunks) == 1:
                     first()
-            if getattr(chunk, "usage", None):
-                sample.tokens = chunk.usage.completion_tokens
+            if usage := getattr(chunk, "usage", None):
+                sample.tokens, sample.prompt_tokens = usage.completion_tokens, usage.prompt_tokens
+                details = getattr(usage, "prompt_tokens_details", None)
+                sample.cached_tokens = (details.cached_tokens or 0) if details else 0
     except Exception as e:  # recorded, reported, never hidden
         sample.error = repr(e)
     if not sample.tokens:
