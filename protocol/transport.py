@@ -68,7 +68,7 @@ def derive_addresses(cfg: Config, ipc_dir: str | None = None) -> Addresses:
     extra = {name: f"ipc://{os.path.join(folder, name)}" for name in graph_actors(cfg)
              if name not in ACTORS}
     ring = []
-    for r in range(cfg.scheduler.dp):
+    for r in range(cfg.scheduler.dp if cfg.runner.tp > 1 else 0):
         inboxes, endpoints = _tp_addresses(cfg, r)
         extra.update(inboxes)
         ring.append(endpoints)
@@ -77,7 +77,7 @@ def derive_addresses(cfg: Config, ipc_dir: str | None = None) -> Addresses:
             raise ValueError(f"server.inboxes: no actor {name!r} in this graph")
         (ipc if name in ACTORS else extra)[name] = address
     return Addresses(ipc_dir=folder, client=f"tcp://{cfg.server.host}:{cfg.server.port}",
-                     extra=extra, ring=ring if cfg.runner.tp > 1 else [], **ipc)
+                     extra=extra, ring=ring, **ipc)
 
 
 def _tp_addresses(cfg: Config, replica: int) -> tuple[dict[str, str], list[str]]:
@@ -86,8 +86,6 @@ def _tp_addresses(cfg: Config, replica: int) -> tuple[dict[str, str], list[str]]
     machines rank k of replica r listens on runner.port + 2 tp r + k for the ring and binds
     its inbox on runner.port + 2 tp r + tp + k."""
     run = cfg.runner
-    if run.tp == 1:
-        return {}, []
     hosts = run.hosts or ["127.0.0.1"] * run.tp
     first = run.port + 2 * run.tp * replica
     inboxes = {} if run.on_one_host() else {

@@ -14,7 +14,8 @@ that starts from S_0, with gamma_t = g_1 ... g_t:
 
 so the new values u solve a unit lower-triangular system,
 
-    (I + A) U = diag(beta) (V - diag(gamma) K S_0^T),   A[t, i] = beta_t (gamma_t / gamma_i) k_t.k_i  (i < t),
+    (I + A) U = diag(beta) (V - diag(gamma) K S_0^T),
+    A[t, i] = beta_t (gamma_t / gamma_i) k_t.k_i  (i < t),
 
 and the block's outputs and final state are products:
 

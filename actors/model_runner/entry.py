@@ -35,10 +35,11 @@ def main(cfg, addrs, model, name: str = "runner") -> None:
 
 def share_cores(cfg) -> int | None:
     """Runner ranks and replicas on one machine split its cores: each takes its share of
-    compute threads (the BLAS's set here, before it loads; our kernels' by the caller). Measured on 2 cores with runner.tp = 2: each
-    rank with threads for every core made a decode step 5.7x slower (51 vs 9 ms), the
-    threads of one rank spinning on the cores the other needed. A variable the user set
-    wins. Returns the share, or None with one runner process."""
+    compute threads (the BLAS's set here, before it loads; our kernels' by the caller).
+    Measured on 2 cores with runner.tp = 2: each rank with threads for every core made a
+    decode step 5.7x slower (51 vs 9 ms), the threads of one rank spinning on the cores the
+    other needed. A variable the user set wins. Returns the share, or None with one runner
+    process."""
     procs = cfg.runner.tp * cfg.scheduler.dp
     if procs == 1 or not cfg.runner.on_one_host():
         return None

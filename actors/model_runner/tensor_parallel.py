@@ -2,15 +2,15 @@
 mlx.distributed group, each holding 1/tp of every sharded layer.
 
 Rank 0 ("runner", "runner.R" for data-parallel replica R) is the actor the scheduler talks
-to. It hands every frame of its inbox, as received, to the other ranks ("runner-1", ...) before it runs the batch itself, so all ranks
-apply the same ops, resolve the same futures from their own token buffers and run the same
-forward; the collectives inside the sharded layers (mlx-lm's `shard()`) give every rank the
-same hidden states, hence the same logits and, with the same per-row seeds, the same tokens.
-Only rank 0 sends StepResults.
+to. It hands every frame of its inbox, as received, to the other ranks ("runner-1", ...)
+before it runs the batch itself, so all ranks apply the same ops, resolve the same futures
+from their own token buffers and run the same forward; the collectives inside the sharded
+layers (mlx-lm's `shard()`) give every rank the same hidden states, hence the same logits
+and, with the same per-row seeds, the same tokens. Only rank 0 sends StepResults.
 
 The hand-over is a ZMQ PUSH of the undecoded frame per rank (tens of microseconds): an
-`mx.distributed` broadcast would cost two collectives per step (length, then bytes, ~0.6 ms
-each over loopback) and park the ranks' MLX threads inside a collective while idle, where a
+`mx.distributed` broadcast would cost two collectives per step (length, then bytes, 0.03-0.6
+ms each over loopback) and park the ranks' MLX threads inside a collective while idle, where a
 shutdown cannot reach them.
 """
 
