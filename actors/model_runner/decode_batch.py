@@ -343,6 +343,12 @@ class DecodeBatch:
     def kv_of(self, row: int) -> tuple[list[Any], int]:
         return self.caches, self.where[row]
 
+    def states_of(self, row: int, layers: list[int]) -> dict[int, list[mx.array | None]]:
+        """The row's recurrent state, copied out of the batch (a gather, not a view that
+        would keep the whole batch's arrays alive)."""
+        at = mx.array([self.where[row]])
+        return {i: [None if a is None else a[at] for a in self.caches[i].cache] for i in layers}
+
     # -- holes ----------------------------------------------------------------------------------
 
     def _tidy(self) -> None:

@@ -7,7 +7,8 @@ Where a row is, by state:
   admission to release, so a future input resolved here (resolve_futures) is always that
   request's last token; the row's next request overwrites it with its own first sample.
 - `state[row]`: its live recurrent-state slot (hybrid models), from admission until release
-  or until the row donates the slot to the prefix tree.
+  or until the row donates the slot to the prefix tree. The state itself stays in the row's
+  caches; storage.py reads it from there when an op keeps it.
 - `pending_load[row]`: the KV slots of its cached prefix, from a KV_LOAD op until its first
   prompt chunk builds its caches from them.
 - `prefilling[row]`: its own per-layer mlx-lm caches, while its prompt runs chunk by chunk.
@@ -62,8 +63,8 @@ class Rows:
         self.decode.release(rows)
 
     def donate(self, row: int, slot: int) -> None:
-        """The row gives its live state slot to the prefix tree: from now on its state is no
-        longer written through to that slot."""
+        """The row gives its live state slot to the prefix tree, which keeps its state as it
+        is now (storage.py): the slot is no longer the row's."""
         if self.state.get(row) != slot:
             raise StepError(f"row {row} donates state slot {slot}, but its live state "
                             f"is {self.state.get(row)}")
@@ -73,10 +74,19 @@ class Rows:
         """The row's next prompt starts from these KV slots (used by its first chunk)."""
         self.pending_load[row] = slots
 
-    def state_slots(self, rows: list[int]) -> list[int] | None:
-        """The rows' live state slots, or None if any row has none (prefix caching off)."""
-        slots = [self.state[r] for r in rows if r in self.state]
-        return slots if len(slots) == len(rows) else None
+    def holder(self, slot: int) -> int | None:
+        """The row holding this state slot live, if one does."""
+        return next((r for r, s in self.state.items() if s == slot), None)
+
+    def live_states(self, row: int, layers: list[int]) -> dict[int, list[Any]] | None:
+        """The row's recurrent state now (layer -> its arrays), where its caches hold it: mid
+        prompt, or decoding. None before its first chunk, and once parked (the decode forward
+        runs parked positions too, so their state there is not theirs any more)."""
+        if row in self.prefilling:
+            return {i: list(self.prefilling[row][i].cache) for i in layers}
+        if row in self.decode.decoding:
+            return self.decode.states_of(row, layers)
+        return None
 
     def kv_of(self, row: int) -> tuple[list[Any], int]:
         """Where a KV save reads the row's KV: (per-layer caches, the row's index in them).
@@ -111,6 +121,10 @@ class Rows:
 
     def join_decode(self, row: int, cache: list[Any]) -> None:
         self.decode.join(row, cache)
+
+    def parking(self, rows: list[int]) -> list[int]:
+        """The rows that decoded and will not in a step that decodes `rows`."""
+        return sorted(self.decode.decoding - set(rows))
 
     def keep_decoding(self, rows: list[int]) -> None:
         """The rows this step decodes; the others that decoded are parked. Nothing is copied:

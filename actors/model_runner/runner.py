@@ -3,7 +3,7 @@
 Per step, in this order (DESIGN section 3): the batch's ops on the pools, released rows,
 admissions, the rows that keep decoding, the prefill chunks, the decode forward (with the last
 prompt token of every prompt that completes in this step), then each sampled token into
-token_buf. The recurrent state of every row that ran is written through to its state slot.
+token_buf.
 
 This file is the step's order only. What each row holds between steps and token_buf (the
 runner side of the FutureMap): rows.py. The KV and state pools and the ops on them:
@@ -57,20 +57,12 @@ class ModelRunner:
         self.sampler = Sampler(vocab_size or self._vocab_width(), max_rows)
         self.cpu = cpu.install(model, runtime, self.sampler.vocab)
         kv = KvPool(self.layers.full, kv_slots) if kv_slots else None
-        states = None
-        if self.layers.linear and state_slots:
-            states = StatePool(self._state_shapes(), state_slots)
+        states = StatePool(state_slots) if self.layers.linear and state_slots else None
         self.pools = Pools(self.layers, kv, states)
         self.rows = Rows(max_rows)
 
     def _vocab_width(self) -> int:
         return self.model(mx.array([[0]])).shape[-1]
-
-    def _state_shapes(self) -> dict[int, list[tuple[tuple[int, ...], Any]]]:
-        """One probe token through a fresh cache tells the shape of each linear layer's state."""
-        cache = make_prompt_cache(self.model)
-        mx.eval(self.model(mx.array([[0]]), cache=cache))
-        return {i: [(a.shape[1:], a.dtype) for a in cache[i].cache] for i in self.layers.linear}
 
     def step(self, batch: m.ForwardBatch) -> m.StepResult:
         return self.finish(self.launch(batch))
@@ -86,7 +78,9 @@ class ModelRunner:
                 self.pools.apply(op, self.rows)
             self._release(batch.release_rows)
             self._admit(batch)
-            self.rows.keep_decoding([r for r, f in zip(batch.rows, batch.future) if f])
+            decoding = [r for r, f in zip(batch.rows, batch.future) if f]
+            self.pools.park(self.rows.parking(decoding), self.rows)
+            self.rows.keep_decoding(decoding)
             parts = self._forward(batch)
             return self._queue(batch, parts, started)
 
@@ -187,7 +181,6 @@ class ModelRunner:
             out = self.model(inputs, cache=batch.caches)
         batch.advance()
         live = batch.live_index()  # None: no hole or parked row ran beside them
-        self._write_states(rows, batch.caches, live)
         return self._sample(rows, out, head_out, live)
 
     def _head(self, rows: list[int]) -> AbstractContextManager[greedy_head.Captured | None]:
@@ -223,7 +216,6 @@ class ModelRunner:
         self._check_chunk_start(row, cache, start)
         if not sample:
             self.model(mx.array(ids)[None], cache=cache)  # logits unused: never evaluated
-            self._write_states([row], cache)
             before_host_sync()
             mx.eval([c.state for c in cache])
             return None
@@ -232,7 +224,6 @@ class ModelRunner:
         if not self.rows.decode_rows or (start == 0 and len(ids) == 1):
             with head.last_only(), self._head([row]) as head_out:
                 out = self.model(mx.array(ids)[None], cache=cache)
-            self._write_states([row], cache)
             done.append((row, cache))  # joins the batch after this step's decode forward
             return self._sample([row], out, head_out)
         if len(ids) > 1:
@@ -260,10 +251,6 @@ class ModelRunner:
         self.pools.restore(cache, slots, self.rows.state.get(row))
         self.rows.start_prompt(row, cache)
         return cache
-
-    def _write_states(self, rows: list[int], caches: list[Any],
-                      at: mx.array | None = None) -> None:
-        self.pools.write_states(self.rows.state_slots(rows), caches, at)
 
 
 def _logprob_columns(got: list[Sampled]) -> dict[str, list]:
