@@ -210,3 +210,64 @@ def test_one_token_prompts_alone_and_beside_decodes_match_mlx_lm(setup, depth):
                 16: [("beside", [1879], 6), ("two", [9707, 1879], 5)]}
     got, _ = run(path, info, arrivals, depth=depth, chunk=64)
     _check_all(oracle, arrivals, got)
+
+
+def _step(runner, step, rows=(), prompts=None, ops=(), admit=None, start=None):
+    """One hand-built step: `prompts` row -> ids (whole prompts, sampled), the other rows
+    decode their futures; admit: row -> its live state slot."""
+    prompts, admit = prompts or {}, admit or {}
+    rows = [*prompts, *rows]
+    ids = [t for p in prompts.values() for t in p]
+    batch = m.ForwardBatch(
+        step=step, rows=rows, input_lens=[len(prompts.get(r, [0])) for r in rows],
+        start_pos=[0 if r in prompts else start[r] for r in rows],
+        future=[r not in prompts for r in rows], sample=[True] * len(rows),
+        input_ids=pack_ids(ids), ops=list(ops), admit_rows=list(admit),
+        admit_params=[m.SamplingParams(max_new_tokens=64)] * len(admit),
+        admit_states=list(admit.values()))
+    return runner.step(batch).tokens
+
+
+def test_state_slots_hold_what_ops_keep_and_nothing_else(setup, model_cache):
+    """No step writes a live state anywhere; a snapshot of a decoding row is its state after
+    the tokens it ran (mlx-lm's own cache, run over them sequentially, is the reference); a row
+    that parks keeps that state while the forward runs its position for others."""
+    path, oracle, info = setup
+    if not info.state_layers:
+        pytest.skip("a dense model has no recurrent state")
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    model = load_model(path)
+    runner = ModelRunner(model, 2, state_slots=8)
+    pool = runner.pools.states
+    p, q = oracle.tokenizer.encode(PROMPTS[2]), oracle.tokenizer.encode(PROMPTS[0])
+    out = _step(runner, 1, prompts={1: p}, ops=[m.Op(kind=m.OpKind.CLEAR, dst=0)],
+                admit={1: 0})
+    for step in range(2, 5):
+        out += _step(runner, step, rows=[1], start={1: len(p) + step - 2})
+        assert pool.held == {}  # decoding writes nothing
+
+    def reference(tokens):
+        cache = make_prompt_cache(model)
+        model(mx.array(tokens)[None], cache=cache)
+        return {i: cache[i].cache for i in runner.layers.linear}
+
+    def assert_close(got, want):
+        assert set(got) == set(want)
+        for i in want:
+            for a, b in zip(got[i], want[i]):
+                assert a.shape == b.shape
+                assert mx.allclose(a, b, atol=1e-4, rtol=1e-4).item(), f"layer {i}"
+
+    ran = p + out[:-1]  # the last sample has not run yet
+    # Row 1 does not decode from here on: it parks.
+    _step(runner, 5, prompts={2: q}, ops=[m.Op(kind=m.OpKind.SNAPSHOT, src=0, dst=5),
+                                          m.Op(kind=m.OpKind.CLEAR, dst=1)], admit={2: 1})
+    assert_close(pool.held[5], reference(ran))
+    # Row 2 decodes; the forward runs row 1's parked position beside it.
+    _step(runner, 6, rows=[2], start={2: len(q)})
+    _step(runner, 7, rows=[2], start={2: len(q) + 1})
+    _step(runner, 8, ops=[m.Op(kind=m.OpKind.DONATE, src=0, dst=1)])
+    assert_close(pool.held[0], reference(ran))
+    assert runner.rows.holder(0) is None and runner.rows.holder(1) == 2
