@@ -4,8 +4,10 @@ not read back yet, and the "before host sync" hook that keeps it from waiting be
 Launching step N+1 first and then reading step N back keeps the MLX stream fed while Python
 builds graphs, as mlx_lm.generate's async_eval loop does. But building N+1 sometimes has to
 wait for MLX values itself: fastmath's NumPy softmax and SiLU, mlx-lm's filter reading a
-sliding-window batch's paddings back, a prompt chunk evaluating its caches. Those places call before_host_sync(): the first one in a launch flushes step N (reads
-it back and sends its result), so the scheduler gets N as soon as it is done, not after N+1 is
+sliding-window batch's paddings back, a prompt chunk evaluating its caches, and on the CPU
+queueing the step itself (MLX's CPU eval computes most of a graph before async_eval returns).
+Those places call before_host_sync(): the first one in a launch flushes step N (reads it back
+and sends its result), so the scheduler gets N as soon as it is done, not after N+1 is
 built. Outside a pipeline's launch (tests, benchmarks) before_host_sync() does nothing.
 """
 

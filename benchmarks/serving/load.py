@@ -50,6 +50,7 @@ class Sample:
     error: str = ""
     prompt_tokens: int = 0  # from the usage chunk
     cached_tokens: int = 0  # prompt tokens the server took from its prefix cache
+    ended: float = float("nan")  # when the stream ended
 
     @property
     def ttft(self) -> float:
@@ -95,6 +96,7 @@ async def one(client: openai.AsyncOpenAI, target: Target, prompt: str, max_token
                 sample.cached_tokens = (details.cached_tokens or 0) if details else 0
     except Exception as e:  # recorded, reported, never hidden
         sample.error = repr(e)
+    sample.ended = time.perf_counter()
     if not sample.tokens:
         sample.tokens = len(sample.chunks)
     return sample

@@ -271,3 +271,44 @@ def test_state_slots_hold_what_ops_keep_and_nothing_else(setup, model_cache):
     _step(runner, 8, ops=[m.Op(kind=m.OpKind.DONATE, src=0, dst=1)])
     assert_close(pool.held[0], reference(ran))
     assert runner.rows.holder(0) is None and runner.rows.holder(1) == 2
+
+
+def test_on_the_cpu_a_step_is_sent_before_the_next_one_is_queued(setup):
+    """MLX's CPU eval runs a graph as it is queued (async_eval returns with little left), so
+    the runner reads step N back once step N+1's graph is built and before it is queued: the
+    Pipeline sends N while launching N+1, not after it (one step earlier to the client)."""
+    from actors.model_runner.pipeline import Pipeline
+
+    path, oracle, _ = setup
+    runner = ModelRunner(load_model(path), 2)
+    calls = []
+
+    class Thread:
+        log = None
+
+        def __init__(self):
+            self.runner = self
+
+        def launch(self, b):
+            got = runner.launch(b)
+            calls.append(("queued", b.step))
+            return got
+
+        def finish(self, launched):
+            return runner.finish(launched)
+
+        def send(self, result, started):
+            calls.append(("sent", result.step))
+
+    pipe = Pipeline(Thread())
+    p = oracle.tokenizer.encode(PROMPTS[0])
+    pipe.launch(m.ForwardBatch(step=1, rows=[1], input_lens=[len(p)], start_pos=[0],
+                               future=[False], sample=[True], input_ids=pack_ids(p),
+                               admit_rows=[1], admit_params=[m.SamplingParams(max_new_tokens=4)]))
+    for step in (2, 3):
+        pipe.launch(m.ForwardBatch(step=step, rows=[1], input_lens=[1],
+                                   start_pos=[len(p) + step - 2], future=[True], sample=[True],
+                                   input_ids=b""))
+    pipe.flush()
+    assert calls == [("queued", 1), ("sent", 1), ("queued", 2), ("sent", 2), ("queued", 3),
+                     ("sent", 3)]
