@@ -133,10 +133,12 @@ def apply(model: nn.Module) -> int:
     return len(swaps)
 
 
-def install(enabled: bool = True) -> bool:
-    """Route mlx-lm's ops-based recurrence (every non-Metal device) through the blocks for
-    unmasked inputs of MIN_TOKENS or more tokens with scalar gates (`enabled`), or restore
-    mlx-lm's own. Idempotent; returns whether the blocks are in use."""
+def install(enabled: bool = True, kernels=None) -> bool:
+    """Route mlx-lm's ops-based recurrence (every non-Metal device) for unmasked inputs with
+    scalar gates (`enabled`) through the compiled token-by-token kernel (`kernels`, the
+    mas_kernels module: every length, decode rows too), or else through the blocks from
+    MIN_TOKENS tokens on; or restore mlx-lm's own. Idempotent (a second call updates the
+    kernels); returns whether a replacement is in use."""
     from mlx_lm.models import gated_delta
 
     current = gated_delta.gated_delta_ops
@@ -145,19 +147,23 @@ def install(enabled: bool = True) -> bool:
         if patched:
             gated_delta.gated_delta_ops = current.reference
         return False
-    if patched:
-        return True
-    reference = current
+    reference = current.reference if patched else current
 
     def dispatch(q, k, v, g, beta, state=None, mask=None):
-        if mask is None and g.ndim == 3 and q.shape[1] >= MIN_TOKENS:
+        if mask is None and g.ndim == 3:
             if state is None:
                 B, _, _, Dk = q.shape
                 state = mx.zeros((B, v.shape[2], v.shape[3], Dk), dtype=mx.float32)
-            return chunked_gated_delta(q, k, v, g, beta, state)
+            if kernels is not None and q.shape[-1] % 16 == 0:
+                f32 = mx.float32
+                y, s = kernels.gated_delta(*(x.astype(f32) for x in (q, k, v, g, beta, state)))
+                return y.astype(q.dtype), s
+            if q.shape[1] >= MIN_TOKENS:
+                return chunked_gated_delta(q, k, v, g, beta, state)
         return reference(q, k, v, g, beta, state, mask)
 
     dispatch._mas_chunked = True
     dispatch.reference = reference
+    dispatch.kernels = kernels
     gated_delta.gated_delta_ops = dispatch
     return True

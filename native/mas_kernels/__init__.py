@@ -7,6 +7,7 @@
     rms_norm(x, weight, eps, *, stream=None) -> mx.array
     rope(x, dims, traditional, base, scale, offsets, *, stream=None) -> mx.array
     greedy_head(x, w, wq, stats, bf16_logits=False, *, stream=None) -> mx.array
+    gated_delta(q, k, v, g, beta, state, *, stream=None) -> (y, state)
 
 They build lazy graph nodes evaluated on MLX's CPU stream. isa() / set_isa(name) report and
 force the instruction-set path; threads() / set_threads(n) the thread count.
@@ -30,6 +31,7 @@ decode_attention = _ext.decode_attention
 rms_norm = _ext.rms_norm
 rope = _ext.rope
 greedy_head = _ext.greedy_head
+gated_delta = _ext.gated_delta
 head_x_levels = _ext.head_x_levels
 isa = _ext.isa
 set_isa = _ext.set_isa
@@ -37,6 +39,7 @@ has_isa = _ext.has_isa
 threads = _ext.threads
 set_threads = _ext.set_threads
 
-__all__ = ["affine_qmm", "bf16_matmul", "decode_attention", "f32_matmul", "greedy_head",
+__all__ = ["affine_qmm", "bf16_matmul", "decode_attention", "f32_matmul", "gated_delta",
+           "greedy_head",
            "has_isa", "head_x_levels", "isa", "rms_norm", "rope", "set_isa", "set_threads",
            "threads"]

@@ -9,11 +9,13 @@
 #include "kernels.h"
 #include "ops.h"
 
+namespace mx = mlx::core;
+
 namespace nb = nanobind;
 using namespace nb::literals;
 
 NB_MODULE(_ext, m) {
-  m.doc() = "Quantized (affine), bfloat16 and float32 matmul kernels, decode attention, RMS norm and RoPE for MLX on the CPU";
+  m.doc() = "Quantized (affine), bfloat16 and float32 matmul kernels, decode attention, RMS norm, RoPE and the gated delta rule for MLX on the CPU";
   m.attr("mlx_version") = MAS_MLX_VERSION;
 
   m.def("affine_qmm", &mas::affine_qmm, "x"_a, "w"_a, "scales"_a, "biases"_a,
@@ -49,6 +51,17 @@ NB_MODULE(_ext, m) {
         "bfloat16), from wq and stats (cpu/greedy_head.py prepares them): int8 products with "
         "error bounds pick the rows that can still win, their exact products decide. -> int32 "
         "[M], the lowest index on ties. bf16_logits: of the logits rounded to bfloat16.");
+  m.def(
+      "gated_delta",
+      [](const mx::array& q, const mx::array& k, const mx::array& v, const mx::array& g,
+         const mx::array& beta, const mx::array& state, mx::StreamOrDevice s) {
+        auto out = mas::gated_delta(q, k, v, g, beta, state, s);
+        return nb::make_tuple(out[0], out[1]);
+      },
+      "q"_a, "k"_a, "v"_a, "g"_a, "beta"_a, "state"_a, nb::kw_only(), "stream"_a = nb::none(),
+      "The gated delta rule token by token, float32: q, k [B, T, Hk, Dk] (Dk a multiple of 16), "
+      "v [B, T, Hv, Dv], g and beta [B, T, Hv], state [B, Hv, Dv, Dk] -> (y [B, T, Hv, Dv], "
+      "the final state): mlx-lm's gated_delta_ops (scalar gates, no mask) as one graph node.");
   m.def("head_x_levels", &mas::head_x_levels,
         "The levels x is quantized to by greedy_head on the path in use (127, or 63 on AVX2).");
   m.def("isa", [] { return std::string(mas::isa_name(mas::current_isa())); },

@@ -105,6 +105,19 @@ void attention(const AttnArgs& a) {
   }
 }
 
+void gated_delta(const DeltaArgs& a) {
+  switch (g_isa.load()) {
+#if MAS_X86
+    case Isa::avx512:
+      return avx512::gated_delta(a);
+    case Isa::avx2:
+      return avx2::gated_delta(a);
+#endif
+    default:
+      return scalar::gated_delta(a);
+  }
+}
+
 namespace {
 #if MAS_X86
 const bool g_vnni = (__builtin_cpu_init(), __builtin_cpu_supports("avx512vnni"));

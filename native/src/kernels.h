@@ -58,6 +58,21 @@ struct AttnArgs {
   float scale;
 };
 
+// The gated delta rule, token by token (gated_delta.inc): per batch row b and value head h
+// (key head h / (Hv / Hk)), from state_in, for each token t: S = g S, u = beta (v - S k),
+// S = S + u k^T, y = S q. Dk a multiple of 16.
+struct DeltaArgs {
+  const float* q;         // [B, T, Hk, Dk]
+  const float* k;         // [B, T, Hk, Dk]
+  const float* v;         // [B, T, Hv, Dv]
+  const float* g;         // [B, T, Hv]
+  const float* beta;      // [B, T, Hv]
+  const float* state_in;  // [B, Hv, Dv, Dk]
+  float* y;               // [B, T, Hv, Dv]
+  float* state;           // [B, Hv, Dv, Dk], may not alias state_in
+  int64_t B, T, Hk, Hv, Dk, Dv;
+};
+
 // The greedy head's first pass (greedy_head.cpp): int8 dot products of x's and W's rows
 // with error bounds, keeping the vocabulary rows that can still be the argmax of x @ W.T.
 // Per (task, row of x) state: `lo`, the best lower bound seen so far (by any task: they
@@ -87,6 +102,7 @@ struct HeadArgs {
 };
 
 namespace scalar {
+void gated_delta(const DeltaArgs& a);
 void qmm(const QmmArgs& a);
 void bf16mm(const Bf16Args& a);
 void f32mm(const F32Args& a);
@@ -94,6 +110,7 @@ void attention(const AttnArgs& a);
 void head(const HeadArgs& a);
 }  // namespace scalar
 namespace avx2 {
+void gated_delta(const DeltaArgs& a);
 void qmm(const QmmArgs& a);
 void bf16mm(const Bf16Args& a);
 void f32mm(const F32Args& a);
@@ -101,6 +118,7 @@ void attention(const AttnArgs& a);
 void head(const HeadArgs& a);
 }  // namespace avx2
 namespace avx512 {
+void gated_delta(const DeltaArgs& a);
 void qmm(const QmmArgs& a);
 void bf16mm(const Bf16Args& a);
 void f32mm(const F32Args& a);
@@ -118,6 +136,7 @@ void qmm(const QmmArgs& a);
 void bf16mm(const Bf16Args& a);
 void f32mm(const F32Args& a);
 void attention(const AttnArgs& a);
+void gated_delta(const DeltaArgs& a);
 void head(const HeadArgs& a);
 // The levels x is quantized to for head() on the path in use: 127, or 63 where the int8
 // products go through vpmaddubsw (AVX2), whose 16-bit pair sums would saturate at 127.

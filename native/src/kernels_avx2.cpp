@@ -198,6 +198,7 @@ struct F32 : Dense<float> {
 
 #include "entries.inc"
 #include "attention.inc"
+#include "gated_delta.inc"
 #include "head.inc"
 
 namespace {

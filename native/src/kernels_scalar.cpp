@@ -131,6 +131,7 @@ void f32mm(const F32Args& a) {
 }
 
 #include "attention.inc"
+#include "gated_delta.inc"
 #include "head.inc"
 
 namespace {

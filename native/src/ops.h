@@ -121,6 +121,23 @@ class Rope : public mx::UnaryPrimitive {
   float base_, scale_;
 };
 
+// The gated delta rule over T tokens (gated_delta.cpp), all float32: q, k [B, T, Hk, Dk], v
+// [B, T, Hv, Dv], g and beta [B, T, Hv] (scalar gates), state [B, Hv, Dv, Dk] -> y [B, T, Hv,
+// Dv] and the state after the last token: mlx-lm's gated_delta_ops for an unmasked input.
+std::vector<mx::array> gated_delta(const mx::array& q, const mx::array& k, const mx::array& v,
+                                   const mx::array& g, const mx::array& beta,
+                                   const mx::array& state, mx::StreamOrDevice s = {});
+
+class GatedDelta : public mx::Primitive {
+ public:
+  explicit GatedDelta(mx::Stream stream) : mx::Primitive(stream) {}
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  const char* name() const override { return "MasGatedDelta"; }
+  bool is_equivalent(const mx::Primitive& other) const override { return true; }
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override;
+};
+
 // The argmax over the vocabulary of x @ w.T, without computing x @ w.T (greedy_head.cpp):
 // x [M, K] float32, w [N, K] float32 or bfloat16 (the LM head's weight, exact), wq [N, Kp]
 // uint8 (w's rows quantized to int8, + 128, zero past K; Kp a multiple of 64), stats float32

@@ -9,6 +9,8 @@
   `runtime.weights = "auto"` where the kernels are built, CPU only);
 - norm_rope.py: RMS norms and RoPEs as one graph node each through the compiled kernels (same
   condition);
+- chunked_delta.py: the gated-delta recurrence of hybrid models through the compiled kernel,
+  or in blocks of matrix products (`runtime.linear_prefill`);
 - fastmath.py: the attention softmax and the SiLU in NumPy (`runtime.fast_math`, CPU only);
 - MLX's buffer cache limit (`runtime.buffer_cache_mib`, CPU only): big freed buffers are
   kept for reuse rather than returned to the OS and faulted in again;
@@ -53,6 +55,7 @@ class Installed:
     greedy_head_mib: float  # the greedy head's int8 copy of the LM head (0: not in use)
     greedy: Any = field(default=None, repr=False)  # the GreedyHead, or None
     chunked_delta: bool = False  # prompt chunks' gated-delta recurrence in blocks
+    delta_kernel: bool = False  # every gated-delta recurrence (decode too) through the kernel
     shifted_convs: int = 0  # depthwise convolutions computed as shifted sums
 
     def log_fields(self) -> dict[str, Any]:
@@ -90,7 +93,7 @@ def install(model: nn.Module, runtime: RuntimeConfig, vocab_size: int) -> Instal
     fast_math_globals = fastmath.install(model) if runtime.fast_math else 0
     if compiled is not None:
         attention.install(model)  # after fastmath: it falls back to fastmath's dispatcher
-    chunked = chunked_delta.install(runtime.linear_prefill)
+    chunked = chunked_delta.install(runtime.linear_prefill, compiled)
     convs = chunked_delta.apply(model) if runtime.linear_prefill else 0
     head_modules = head.install(model, vocab_size)
     greedy = None
@@ -113,5 +116,6 @@ def install(model: nn.Module, runtime: RuntimeConfig, vocab_size: int) -> Instal
         greedy_head_mib=round(greedy.nbytes / 2**20, 1) if greedy is not None else 0.0,
         greedy=greedy,
         chunked_delta=chunked,
+        delta_kernel=chunked and compiled is not None,
         shifted_convs=convs,
     )
