@@ -235,11 +235,8 @@ class CacheConfig(Section):
     # Radix prefix cache: a prompt that starts with a cached prefix skips recomputing it.
     prefix: bool = True
     # Hybrid models: prefill chunks end at multiples of this many tokens, where the recurrent
-    # state is snapshotted, so a shared prefix resumes at most this far before its end (a
-    # prompt's end and the point where it leaves a cached prefix are snapshotted as well).
-    # 512, not 128: chunks four times longer, qwen3_5-small prefill 934 -> 1,133 tokens/s at
-    # 2,000 tokens (python -m benchmarks.serving.hybrid).
-    snapshot_interval: Annotated[int, Meta(ge=0)] = 512
+    # state is snapshotted, so a shared prefix resumes at most this far before its end.
+    snapshot_interval: Annotated[int, Meta(ge=0)] = 128
 
 
 class LimitsConfig(Section):

@@ -89,8 +89,7 @@ def main(argv: list[str] | None = None) -> int:
         prompts[n] = [maker.make(n, seed=100 * k + r) for r in range(args.repeats)]
     eos = read_model_info(model_dir).eos_ids
     results = {}
-    # Short: below the snapshot interval (128 when the issue was written), where hybrid
-    # prompts used to miss.
+    # Short: below cache.snapshot_interval (128), where hybrid prompts used to miss.
     short = {"3-10 tokens": SHORT,
              "100 tokens": [maker.make(100, seed=1000 + r) for r in range(len(SHORT))]}
     with ours(model_dir, args.blas, args.set) as target:
