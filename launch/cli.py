@@ -66,8 +66,8 @@ def chosen_actors(cfg: Config, only: str, skip: str) -> list[str]:
     if only:
         return [n for n in every if n in named]
     hosts = cfg.runner.hosts
-    remote = {n for n in every if hosts and parse_name(n)[0] == "runner"
-              and hosts[parse_name(n)[2]] != hosts[0]}
+    remote = set() if cfg.runner.on_one_host() else {
+        n for n in every if parse_name(n)[0] == "runner" and hosts[parse_name(n)[2]] != hosts[0]}
     return [n for n in every if n not in remote and n not in named]
 
 

@@ -13,8 +13,7 @@ def kv_capacity(cfg: Config, model: ModelInfo) -> int:
     if cfg.memory.kv_tokens:
         return cfg.memory.kv_tokens
     physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    if cfg.runner.on_one_host():  # the replicas' ranks share this machine's memory
-        physical //= cfg.runner.tp * cfg.scheduler.dp
+    physical //= cfg.runners_here()  # the replicas' ranks share this machine's memory
     per_token = max(1, kv_bytes_per_token(cfg, model))
     ceiling = cfg.scheduler.max_running_requests * model.context_length
     return max(1, min(int(physical * cfg.memory.kv_fraction) // per_token, ceiling))

@@ -6,6 +6,7 @@ names the key path ("Object contains unknown field `max_runing` - at `$.schedule
 
 from __future__ import annotations
 
+import ipaddress
 import tomllib
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -218,8 +219,8 @@ class RunnerConfig(Section):
             raise ValueError("runner.port: hosts on several machines need a fixed first port")
 
     def on_one_host(self) -> bool:
-        return len(set(self.hosts)) <= 1 and all(h in ("127.0.0.1", "localhost", "::1")
-                                                 for h in self.hosts)
+        """Every rank on this machine: no hosts given, or loopback ones only."""
+        return all(is_loopback(h) for h in self.hosts)
 
 
 class MemoryConfig(Section):
@@ -290,9 +291,24 @@ class Config(Section):
     log: LogConfig = LogConfig()
     launch: LaunchConfig = LaunchConfig()
 
+    def runners_here(self) -> int:
+        """Runner processes sharing this machine's cores and memory: every rank of every
+        replica when they all run here, else (ranks on several machines) one."""
+        return self.runner.tp * self.scheduler.dp if self.runner.on_one_host() else 1
+
 
 class ConfigError(ValueError):
     pass
+
+
+def is_loopback(host: str) -> bool:
+    """Only this machine can reach a socket bound on host."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:  # a name, "*", or an interface: reachable from elsewhere as far as we know
+        return False
 
 
 def _parse_value(text: str) -> Any:

@@ -4,7 +4,6 @@ the server has a keypair (server.curve_*)."""
 
 from __future__ import annotations
 
-import ipaddress
 import os
 import socket
 import tempfile
@@ -13,7 +12,7 @@ from pathlib import Path
 import msgspec
 import zmq
 
-from protocol.config import Config
+from protocol.config import Config, is_loopback  # noqa: F401  (is_loopback: re-exported)
 
 ACTORS = ("tokenizer", "scheduler", "runner", "detokenizer")
 
@@ -162,13 +161,3 @@ def curve_client(sock: zmq.Socket, server_key: str | bytes) -> None:
         raise ValueError(f"server_key: a CURVE public key is 40 Z85 characters, got {len(key)}")
     sock.curve_serverkey = key
     sock.curve_publickey, sock.curve_secretkey = zmq.curve_keypair()
-
-
-def is_loopback(host: str) -> bool:
-    """Only this machine can reach a socket bound on host."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:  # a name, "*", or an interface: reachable from elsewhere as far as we know
-        return False

@@ -40,8 +40,8 @@ def share_cores(cfg) -> int | None:
     decode step 5.7x slower (51 vs 9 ms), the threads of one rank spinning on the cores the
     other needed. A variable the user set wins. Returns the share, or None with one runner
     process."""
-    procs = cfg.runner.tp * cfg.scheduler.dp
-    if procs == 1 or not cfg.runner.on_one_host():
+    procs = cfg.runners_here()
+    if procs == 1:
         return None
     share = max(1, (os.cpu_count() or 1) // procs)
     for var in THREAD_VARIABLES:

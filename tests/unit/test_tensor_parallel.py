@@ -144,6 +144,10 @@ def test_the_main_launcher_leaves_out_ranks_of_other_hosts():
     assert chosen_actors(c, "", "") == ["tokenizer", "scheduler", "runner", "detokenizer"]
     assert chosen_actors(c, "runner-1", "") == ["runner-1"]
     assert "runner-1" in chosen_actors(cfg("runner.tp=2"), "", "")
+    # Loopback addresses, however written, are this machine: every rank starts here.
+    here = cfg("runner.tp=2", 'runner.hosts=["127.0.0.1", "localhost"]')
+    assert here.runner.on_one_host() and here.runners_here() == 2
+    assert "runner-1" in chosen_actors(here, "", "")
     assert chosen_actors(cfg("scheduler.dp=2"), "", "scheduler.1,runner.1") == [
         "tokenizer", "scheduler", "runner", "detokenizer"]
     with pytest.raises(ConfigError, match="no actor runner-3 in this graph"):
