@@ -55,6 +55,8 @@ class Router:
         return chosen
 
     def _choose(self, ids: list[int], group: str) -> Route:
+        if self.replicas == 1:  # nothing to choose: no hashing, no index
+            return Route(0, 0, "load")
         if group in self.groups:
             entry = self.groups[group]
             entry[1] += 1

@@ -67,6 +67,7 @@ def test_the_index_forgets_its_oldest_prefixes_past_capacity():
 def test_one_replica_routes_everything_to_it():
     r = Router(1)
     assert {r.route(prompt(s)).replica for s in range(5)} == {0} and r.routed == [5]
+    assert not r.index  # nothing hashed or remembered: there is nothing to choose
 
 
 def test_metrics_sum_the_replicas_and_list_each():
