@@ -51,7 +51,7 @@ class Memory:
         req.slots = (match.slots if match else []) + self.slots.alloc(len(req.fill) - cached)
         req.tree_len, req.lock = cached, match.node if match else None
         req.filled = req.kv_len = cached
-        req.chunk_ends = self._chunk_ends(req, match is not None, cached)
+        req.chunk_ends = self._chunk_ends(req, match)
         if not req.retractions:
             req.cached = cached
         if cached:
@@ -66,19 +66,19 @@ class Memory:
                 self.ops.clear(req.state)
         return True
 
-    def _chunk_ends(self, req: Request, in_tree: bool, cached: int) -> list[int]:
+    def _chunk_ends(self, req: Request, match: Match | None) -> list[int]:
         """Where the request's prefill chunks end so the tree can resume others there. Dense
         models keep every position's KV in the tree anyway: only n > 1 siblings need the cut
         before the prompt's last token, so they compute one token each. A hybrid model
         resumes only at a state snapshot, taken where a chunk ends: there too (an exact
         repeat, a retry, a later n), and where the prompt leaves what the tree holds (a
         shared system prompt snapshotted short of its end: the next one resumes there)."""
-        if not in_tree or not (req.group or self.states is not None):
+        if match is None or not (req.group or self.states is not None):
             return []
         ends = {len(req.fill) - 1}
         if self.states is not None:
-            ends.add(self.tree.shared(req.fill[:-1]))
-        return sorted(end for end in ends if end > cached)
+            ends.add(match.reach)
+        return sorted(end for end in ends if end > match.length)
 
     def _uses_tree(self, req: Request) -> bool:
         return self.tree is not None and (self.prefix or bool(req.group))

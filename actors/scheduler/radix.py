@@ -45,6 +45,7 @@ class Match:
     length: int
     slots: list[int]  # KV slots of tokens[:length], in order
     state: int | None  # the node's state slot (None at the root or without one)
+    reach: int = 0  # leading tokens cached, usable or not (where the walk left the tree)
 
 
 class RadixCache:
@@ -72,6 +73,7 @@ class RadixCache:
         tokens = list(tokens)
         node, i, path = self.root, 0, [self.root]
         best, best_i, best_len = self.root, 0, 1  # deepest usable node, its length, path depth
+        edge = 0  # tokens cached on an edge the walk could not take whole
         while i < len(tokens):
             child = node.children.get(tokens[i])
             if child is None:
@@ -79,6 +81,7 @@ class RadixCache:
             p = _common(child.key, tokens, i)
             if p < len(child.key):
                 if need_state:
+                    edge = p
                     break
                 child = self._split(child, p)
             node, i = child, i + p
@@ -89,22 +92,7 @@ class RadixCache:
         for n in path[:best_len]:
             n.stamp = self._clock  # touch only what the caller can use
         slots = [s for n in path[1:best_len] for s in n.slots]
-        return Match(best, best_i, slots, best.state)
-
-    def shared(self, tokens: Sequence[int]) -> int:
-        """How many leading tokens are cached, states or not (read only: no split, no
-        touch)."""
-        node, i = self.root, 0
-        while i < len(tokens):
-            child = node.children.get(tokens[i])
-            if child is None:
-                break
-            p = _common(child.key, tokens, i)
-            i += p
-            if p < len(child.key):
-                break
-            node = child
-        return i
+        return Match(best, best_i, slots, best.state, i + edge)
 
     def insert(self, tokens: Sequence[int], slots: Sequence[int], state: int | None = None) -> Node:
         """Cache tokens[i] -> slots[i]; the tree takes ownership of every slot passed. Where a

@@ -377,17 +377,24 @@ RadixMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=
 test_radix_machine = RadixMachine.TestCase
 
 
-def test_shared_counts_cached_tokens_without_changing_the_tree():
+def test_a_match_tells_how_far_the_tokens_are_cached_without_splitting():
+    """Match.reach: where the prompt leaves the tree, states or not (a hybrid prompt's chunk
+    ends there, so the next prompt sharing that much resumes at a snapshot)."""
     cache = make_cache(states=4)
     pool = cache.kv
     cache.insert([1, 2, 3, 4, 5], pool.alloc(5))
     cache.insert([1, 2, 9], pool.alloc(3))
-    stamps = {id(n): n.stamp for n in _nodes(cache.root)}
-    assert cache.shared([1, 2, 3, 7]) == 3  # into the middle of an edge
-    assert cache.shared([1, 2, 9, 9]) == 3
-    assert cache.shared([1, 2, 3, 4, 5, 6]) == 5
-    assert cache.shared([8]) == 0 and cache.shared([]) == 0
-    assert {id(n): n.stamp for n in _nodes(cache.root)} == stamps  # no split, no touch
+    nodes = {id(n) for n in _nodes(cache.root)}
+
+    def reach(tokens):
+        return cache.match(tokens, need_state=True).reach
+
+    assert reach([1, 2, 3, 7]) == 3  # into the middle of an edge
+    assert reach([1, 2, 9, 9]) == 3
+    assert reach([1, 2, 3, 4, 5, 6]) == 5
+    assert reach([8]) == 0 and reach([]) == 0
+    assert {id(n) for n in _nodes(cache.root)} == nodes  # no split
+    assert cache.match([1, 2, 3, 7]).reach == 3  # the same without states (it splits there)
 
 
 def _nodes(node):
