@@ -1,5 +1,6 @@
-"""The gated delta rule of a prefill chunk in blocks of matrix products (DESIGN section 5:
-the linear-attention layers of hybrid models).
+"""The gated delta rule of hybrid models' linear-attention layers off Metal (DESIGN section 5):
+through the compiled kernel (mas_kernels.gated_delta, token by token, prompt chunks and decode
+rows alike) where it is built, else a prompt chunk's in blocks of matrix products (below).
 
 Per value head, with state S (Dv x Dk), gate g_t in (0, 1], beta_t in (0, 1) and unit-norm
 keys, mlx-lm's recurrence is
@@ -25,8 +26,10 @@ and the block's outputs and final state are products:
 Every step is a batched matmul over (batch, head) or one triangular solve of C x C, so the
 work goes through the BLAS. Decay ratios are exponentials of differences of cumulative log
 gates, masked before the exponential above the diagonal (never inf * 0). Same results as the
-sequential form up to float rounding (tests/unit/test_chunked_delta.py); short inputs (decode
-rows) and masked batches keep mlx-lm's own path.
+sequential form up to float rounding (tests/unit/test_chunked_delta.py). Without the kernel,
+decode rows keep mlx-lm's own path; masked batches always do. The kernel beats the blocks on
+the CPU (one layer of qwen3_5-small, 512 tokens: 6.9 against 18 ms): at these sizes the
+blocks' time goes to MLX's per-op cost, not to their arithmetic.
 """
 
 from __future__ import annotations

@@ -60,6 +60,12 @@ class ModelRunner:
         states = StatePool(state_slots) if self.layers.linear and state_slots else None
         self.pools = Pools(self.layers, kv, states)
         self.rows = Rows(max_rows)
+        # MLX's CPU eval runs a graph as it is queued and returns only when a few operations
+        # are left: a step queued before the last one is read back would be done first, and
+        # every token would reach its client a step late (a prefix hit's first token: 40 ->
+        # 22 ms on qwen3_5-small). So on the CPU the last step is read back once the new
+        # step's graph is built (its tail ran behind the building), before it is queued.
+        self.queue_blocks = mx.default_device() == mx.cpu
 
     def _vocab_width(self) -> int:
         return self.model(mx.array([[0]])).shape[-1]
@@ -171,12 +177,7 @@ class ModelRunner:
             self.rows.record(out_rows, tokens)
             pending.append(self.rows.token_buf)
             pending += [got.arrays() for _, got in parts]
-        if mx.default_device() == mx.cpu:
-            # MLX's CPU eval runs the graph as it is queued and returns only when a few
-            # operations are left: queued now, this step would be done before the last one
-            # is read back, and every token would reach its client a step late (a prefix hit's
-            # first token: 40 -> 22 ms on qwen3_5-small). Its graph is built by now, so the
-            # last step's tail has run behind the building: read it back first.
+        if self.queue_blocks:
             before_host_sync()
         mx.async_eval(pending)
         return Launched(batch.step, out_rows, [got for _, got in parts], pick, started)
