@@ -124,7 +124,7 @@ def swiglu(gate: mx.array, x: mx.array) -> mx.array:
     """silu(gate) * x, with the sigmoid's exp in NumPy when it pays."""
     if gate.size < SWIGLU_MIN_ELEMENTS or not _wanted(gate, x):
         return _stock_swiglu(gate, x)
-    return gate * x / (1.0 + _exp_neg(gate))
+    return _numpy_swiglu(gate, x)
 
 
 def silu(x: mx.array) -> mx.array:
@@ -132,6 +132,10 @@ def silu(x: mx.array) -> mx.array:
     if x.size < SWIGLU_MIN_ELEMENTS or not _wanted(x):
         return nn.silu(x)
     return x / (1.0 + _exp_neg(x))
+
+
+def _numpy_swiglu(gate: mx.array, x: mx.array) -> mx.array:
+    return gate * x / (1.0 + _exp_neg(gate))
 
 
 def _exp_neg(x: mx.array) -> mx.array:
@@ -146,19 +150,14 @@ def precise_swiglu(h: mx.array, gate: mx.array, x: mx.array) -> mx.array:
     in float32, cast to h's dtype."""
     if gate.size < SWIGLU_MIN_ELEMENTS or not _wanted(h, gate, x):
         return _stock_precise_swiglu(h, gate, x)
-    return swiglu(gate, x).astype(h.dtype)
+    return _numpy_swiglu(gate, x).astype(h.dtype)
 
 
-class _NN(types.ModuleType):
-    """mlx.nn as the model modules that call `nn.silu` see it (the gated-delta layers'
-    convolution output, [tokens, 3 x 1,024] per layer of a prefill chunk): silu through the
-    dispatcher above, everything else mlx.nn's own."""
-
-    def __getattr__(self, name: str):
-        return getattr(nn, name)
-
-
-_nn = _NN("mlx.nn")
+# mlx.nn as the model modules that call `nn.silu` see it (the gated-delta layers' convolution
+# output, [tokens, 3 x 1,024] per layer of a prefill chunk): a copy of its namespace, silu
+# through the dispatcher above (a plain copy: no lookup hook on every other nn.X).
+_nn = types.ModuleType("mlx.nn")
+_nn.__dict__.update(vars(nn))
 _nn.silu = silu
 
 
