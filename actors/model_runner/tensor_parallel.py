@@ -25,6 +25,15 @@ from protocol.config import Config
 from protocol.transport import Addresses
 
 
+def ring_hostfile(endpoints: list[str]) -> str:
+    """A temporary file in the format mlx's ring backend reads (a JSON list of each rank's
+    endpoints, "host:port"): its path, for MLX_HOSTFILE. The caller removes it."""
+    fd, path = tempfile.mkstemp(prefix="mas-ring-", suffix=".json")
+    with os.fdopen(fd, "w") as f:
+        json.dump([[endpoint] for endpoint in endpoints], f)
+    return path
+
+
 def join(cfg: Config, addrs: Addresses, replica: int, rank: int):
     """This process's mlx.distributed group (None when tp = 1). Blocks until every rank has
     joined. Call it on the MLX thread, before the model is loaded."""
@@ -35,11 +44,7 @@ def join(cfg: Config, addrs: Addresses, replica: int, rank: int):
         return None
     os.environ["MLX_RANK"] = str(rank)
     if cfg.runner.backend == "ring":
-        # mlx's ring backend reads a JSON list of each rank's endpoints from a file.
-        fd, path = tempfile.mkstemp(prefix="mas-ring-", suffix=".json")
-        with os.fdopen(fd, "w") as f:
-            json.dump([[endpoint] for endpoint in addrs.ring[replica]], f)
-        os.environ["MLX_HOSTFILE"] = path
+        os.environ["MLX_HOSTFILE"] = ring_hostfile(addrs.ring[replica])
     try:
         group = mx.distributed.init(strict=True, backend=cfg.runner.backend)
     finally:

@@ -38,17 +38,26 @@ async def load(address: str, concurrency: int, seconds: float, max_new: int) -> 
     return done
 
 
-def measure(model: str, overlap: bool, args: argparse.Namespace) -> dict:
+def utilisation_run(model: str, sets: list[str], concurrency: int, seconds: float,
+                    max_new: int) -> tuple[int, list[dict]]:
+    """A graph of the built-in `model` under `concurrency` closed-loop clients for `seconds`:
+    the tokens generated and every runner.utilisation record its log holds (every 2 s)."""
     log_file = Path(tempfile.mkdtemp(prefix="mas-bench-")) / "log.jsonl"
-    graph = start_graph(f"model.builtin={model}", f"scheduler.overlap={str(overlap).lower()}",
-                        f"log.file={log_file}", "log.stats_interval_s=2", *args.set)
+    graph = start_graph(f"model.builtin={model}", f"log.file={log_file}",
+                        "log.stats_interval_s=2", *sets)
     try:
-        tokens = asyncio.run(load(graph.client, args.concurrency, args.seconds,
-                                  args.max_new_tokens))
+        tokens = asyncio.run(load(graph.client, concurrency, seconds, max_new))
     finally:
         stop_graph(graph.proc)
-    stats = [r for r in map(json.loads, log_file.read_text().splitlines())
-             if r.get("event") == "runner.utilisation"][1:-1]
+    return tokens, [r for r in map(json.loads, log_file.read_text().splitlines())
+                    if r.get("event") == "runner.utilisation"]
+
+
+def measure(model: str, overlap: bool, args: argparse.Namespace) -> dict:
+    tokens, stats = utilisation_run(model, [f"scheduler.overlap={str(overlap).lower()}",
+                                            *args.set], args.concurrency, args.seconds,
+                                    args.max_new_tokens)
+    stats = stats[1:-1]  # the first and last intervals are partly idle
     busy = sum(r["busy_s"] for r in stats)
     wall = sum(r["wall_s"] for r in stats)
     steps = sum(r["steps"] for r in stats)

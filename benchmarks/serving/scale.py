@@ -15,7 +15,6 @@ TP = 2 across two machines printed at the end.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import subprocess
@@ -24,28 +23,21 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.serving.overlap import load
-from harness.graph import start_graph, stop_graph
+from actors.model_runner.tensor_parallel import ring_hostfile
+from benchmarks.serving.overlap import utilisation_run
+from protocol.transport import parse_name
 
 LAYOUTS = {"tp1": [], "tp2": ["runner.tp=2"], "dp2": ["scheduler.dp=2"]}
 
 
 def measure(model: str, layout: str, concurrency: int, args: argparse.Namespace) -> dict:
-    log_file = Path(tempfile.mkdtemp(prefix="mas-bench-")) / "log.jsonl"
-    graph = start_graph(f"model.builtin={model}", f"log.file={log_file}",
-                        "log.stats_interval_s=2", *LAYOUTS[layout], *args.set)
-    try:
-        tokens = asyncio.run(load(graph.client, concurrency, args.seconds, args.max_new_tokens))
-    finally:
-        stop_graph(graph.proc)
-    records = [json.loads(line) for line in log_file.read_text().splitlines()]
+    tokens, records = utilisation_run(model, [*LAYOUTS[layout], *args.set], concurrency,
+                                      args.seconds, args.max_new_tokens)
     # Rank 0 of each replica: "runner" and "runner.1" (the other ranks run the same steps).
-    runners = sorted({r["actor"] for r in records if r.get("event") == "runner.utilisation"
-                      and "-" not in r["actor"]})
+    runners = sorted({r["actor"] for r in records if parse_name(r["actor"])[2] == 0})
     per_runner = []
     for name in runners:
-        stats = [r for r in records if r.get("event") == "runner.utilisation"
-                 and r["actor"] == name][1:-1]
+        stats = [r for r in records if r["actor"] == name][1:-1]
         busy, steps = sum(r["busy_s"] for r in stats), sum(r["steps"] for r in stats)
         per_runner.append({"runner": name, "step_ms": round(1000 * busy / steps, 2)
                            if steps else None, "steps": steps})
@@ -61,8 +53,7 @@ def collective(hidden: int, rows: list[int], repeats: int = 300) -> dict[int, fl
     from protocol.transport import free_ports
 
     ports = free_ports("127.0.0.1", 2)
-    hostfile = Path(tempfile.mkdtemp(prefix="mas-ring-")) / "hosts.json"
-    hostfile.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in ports]))
+    hostfile = ring_hostfile([f"127.0.0.1:{p}" for p in ports])
     out = Path(tempfile.mkdtemp(prefix="mas-ring-")) / "rank0.json"
     procs = [subprocess.Popen([sys.executable, "-m", "benchmarks.serving.scale", "--rank-child",
                                str(hidden), ",".join(map(str, rows)), str(repeats), str(out)],
@@ -71,6 +62,7 @@ def collective(hidden: int, rows: list[int], repeats: int = 300) -> dict[int, fl
              for k in range(2)]
     for p in procs:
         p.wait(300)
+    os.unlink(hostfile)
     return {int(k): v for k, v in json.loads(out.read_text()).items()}
 
 
