@@ -24,6 +24,18 @@ RECENT_S = 5.0
 PROBE_PREFIX = "health-probe-"
 
 
+def listening_socket(host: str, port: int) -> socket.socket:
+    """The HTTP API's listening socket. IPPROTO_TCP named: asyncio sets TCP_NODELAY only on
+    connections whose socket says TCP. With proto 0 they kept Nagle's algorithm, and on a
+    reused connection the end of each streamed response waited ~40 ms for the client's
+    delayed ACK (a one-token request: 52 ms instead of 12)."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(128)
+    return sock
+
+
 class _Server(uvicorn.Server):
     @contextlib.contextmanager
     def capture_signals(self):  # the actor shell owns the signals
@@ -41,10 +53,7 @@ class HttpFront:
         self.probe: asyncio.Future | None = None  # shared by /health calls while it runs
         self.probes = 0
         self.queues: dict[str, asyncio.Queue] = {}
-        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.sock.bind((cfg.host, cfg.http_port))
-        self.sock.listen(128)
+        self.sock = listening_socket(cfg.host, cfg.http_port)
         self.address = f"http://{cfg.host}:{self.sock.getsockname()[1]}"
         config = uvicorn.Config(build_app(self), log_config=None, access_log=False,
                                 lifespan="off", timeout_graceful_shutdown=1)

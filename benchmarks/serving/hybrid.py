@@ -19,27 +19,19 @@ import json
 import sys
 from pathlib import Path
 
-from benchmarks.serving.load import PromptMaker, Sample, Target, one
+from benchmarks.serving.load import PromptMaker, Sample, Target, closed_loop
 from benchmarks.serving.servers import mlx_lm_server, ours
 
 
-async def sample(target: Target, prompt: str, max_tokens: int) -> Sample:
-    """One streamed completion, as the serving benchmark sends them (load.one)."""
-    client = target.client()
-    try:
-        got = await one(client, target, prompt, max_tokens)
-    finally:
-        await client.close()
-    if got.error:
-        raise RuntimeError(f"{target.name}: {got.error}")
-    return got
-
-
-def ttft(target: Target, prompt: str) -> tuple[float, Sample]:
-    """A request for one token, timed to its stream's end: the first token of a random model
-    is often a piece of a UTF-8 character, which streams no text of its own."""
-    got = asyncio.run(sample(target, prompt, 1))
-    return got.ended - got.sent, got
+def ttfts(target: Target, prompts: list[str]) -> list[tuple[float, Sample]]:
+    """The prompts one after another, each a request for one token timed to its stream's end
+    (the first token of a random model is often a piece of a UTF-8 character, which streams
+    no text of its own): load.closed_loop with one client."""
+    samples, _ = asyncio.run(closed_loop(target, prompts, 1, 1))
+    for s in samples:
+        if s.error:
+            raise RuntimeError(f"{target.name}: {s.error}")
+    return [(s.ended - s.sent, s) for s in samples]
 
 
 SHORT = ["Hi!", "What is rain?", "Name a color.", "Count to three.", "Tell me a joke.",
@@ -51,8 +43,7 @@ def repeats(target: Target, prompts: list[str]) -> dict:
     """Each prompt sent twice in a row: did the second hit, and its TTFT over the first's."""
     rows = []
     for p in prompts:
-        first, _ = ttft(target, p)
-        second, got = ttft(target, p)
+        (first, _), (second, got) = ttfts(target, [p, p])
         rows.append({"prompt_tokens": got.prompt_tokens, "ttft_first": first,
                      "ttft_second": second, "cached_second": got.cached_tokens})
     hits = sum(r["cached_second"] >= r["prompt_tokens"] - 1 for r in rows)
@@ -61,9 +52,9 @@ def repeats(target: Target, prompts: list[str]) -> dict:
             "ttft_ratio_max": ratios[-1], "rows": rows}
 
 
-def measure(target: Target, prompts: dict[int, list[str]]) -> dict[int, float]:
-    ttft(target, prompts[0][0])  # warm-up
-    return {n: max(n / ttft(target, p)[0] for p in ps) for n, ps in prompts.items() if n}
+def measure(target: Target, warm: str, prompts: dict[int, list[str]]) -> dict[int, float]:
+    ttfts(target, [warm])
+    return {n: max(n / t for t, _ in ttfts(target, ps)) for n, ps in prompts.items()}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -84,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
 
     model_dir = str(ensure_builtin(args.model))
     maker = PromptMaker(load_tokenizer(model_dir))
-    prompts = {0: [maker.make(64, seed=7)]}
+    warm, prompts = maker.make(64, seed=7), {}
     for k, n in enumerate(args.tokens):
         prompts[n] = [maker.make(n, seed=100 * k + r) for r in range(args.repeats)]
     eos = read_model_info(model_dir).eos_ids
@@ -93,13 +84,13 @@ def main(argv: list[str] | None = None) -> int:
     short = {"3-10 tokens": SHORT,
              "100 tokens": [maker.make(100, seed=1000 + r) for r in range(len(SHORT))]}
     with ours(model_dir, args.blas, args.set) as target:
-        results["ours"] = measure(target, prompts)
+        results["ours"] = measure(target, warm, prompts)
         repeat = {name: repeats(target, ps) for name, ps in short.items()}
     with ours(model_dir, args.blas, ["runtime.linear_prefill=false", *args.set]) as target:
-        results["ours, mlx-lm's loop (before)"] = measure(target, prompts)
+        results["ours, mlx-lm's loop (before)"] = measure(target, warm, prompts)
     if not args.no_mlx_lm:
         with mlx_lm_server(model_dir, args.blas, eos) as target:
-            results["mlx_lm.server"] = measure(target, prompts)
+            results["mlx_lm.server"] = measure(target, warm, prompts)
     print(f"model {args.model}: prefill tokens/s (prompt tokens / TTFT, best of "
           f"{args.repeats})")
     print("| server | " + " | ".join(f"{n} tokens" for n in args.tokens) + " |")
