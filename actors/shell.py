@@ -37,14 +37,15 @@ class Shell:
         self.log = get_logger()
         self.zctx = zmq.asyncio.Context()
         self._pushes: dict[str, zmq.asyncio.Socket] = {}
+        # A replica's scheduler and runner talk in pairs: "scheduler" and "runner" are its own.
+        self._peers = {base: actor_name(base, self.replica) for base in ("scheduler", "runner")}
         self.on_parent_gone: Callable[[], None] = lambda: None
 
     def bind_inbox(self, union: Any) -> "Inbox":
         return Inbox(pull_socket(self.zctx, self.addrs.inbox(self.name)), decoder(union))
 
     def _push(self, peer: str) -> zmq.asyncio.Socket:
-        if peer in ("scheduler", "runner"):  # a replica's scheduler and runner talk in pairs
-            peer = actor_name(peer, self.replica)
+        peer = self._peers.get(peer, peer)
         sock = self._pushes.get(peer)
         if sock is None:
             sock = self._pushes[peer] = push_socket(self.zctx, self.addrs.inbox(peer))
