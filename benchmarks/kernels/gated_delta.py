@@ -1,5 +1,5 @@
-"""A gated-delta layer's prompt recurrence: mlx-lm's per-token loop against the blocks of
-actors/model_runner/chunked_delta.py, and the block size.
+"""A gated-delta layer's recurrence: the compiled kernel (mas_kernels.gated_delta), mlx-lm's
+per-token loop and the blocks of actors/model_runner/chunked_delta.py, by block size.
 
     python -m benchmarks.kernels.gated_delta [--tokens 2 8 128 512 2000] [--blocks 32 64 128 256]
 
@@ -33,10 +33,15 @@ def main(argv: list[str] | None = None) -> None:
 
     from actors.model_runner.chunked_delta import BLOCK, chunked_gated_delta
 
+    try:
+        import mas_kernels as kernels
+    except ImportError:  # not built: the blocks and the loop only
+        kernels = None
     loop = getattr(gated_delta.gated_delta_ops, "reference", gated_delta.gated_delta_ops)
     h, d = args.heads, args.dim
     print(f"gated delta, {h} heads, dims {d}: ms per layer")
-    print(f"{'tokens':>7} {'loop':>9} " + " ".join(f"{f'block {b}':>10}" for b in args.blocks))
+    print(f"{'tokens':>7} {'kernel':>9} {'loop':>9} "
+          + " ".join(f"{f'block {b}':>10}" for b in args.blocks))
     for t in args.tokens:
         q, k = normalize_qk(mx.random.normal((1, t, h, d)), mx.random.normal((1, t, h, d)),
                             inv_scale=d**-0.5, eps=1e-6)
@@ -46,10 +51,15 @@ def main(argv: list[str] | None = None) -> None:
         mx.eval(q, k, v, g, beta)
         ms = (f"{median_ms(lambda: loop(q, k, v, g, beta, state), args.repeat):9.2f}"
               if t <= args.loop_max else f"{'-':>9}")
+        own = f"{'-':>9}"
+        if kernels is not None:
+            x = median_ms(lambda: kernels.gated_delta(q, k, v, g, beta, state), args.repeat)
+            own = f"{x:9.2f}"
         blocks = [median_ms(lambda b=b: chunked_gated_delta(q, k, v, g, beta, state, block=b),
                             args.repeat) for b in args.blocks]
-        print(f"{t:>7} {ms} " + " ".join(f"{x:10.2f}" for x in blocks))
-    print(f"(the runner uses blocks of {BLOCK})")
+        print(f"{t:>7} {own} {ms} " + " ".join(f"{x:10.2f}" for x in blocks))
+    print(f"(the runner uses the kernel where it is built, else blocks of {BLOCK} from two "
+          "tokens on)")
 
 
 if __name__ == "__main__":
