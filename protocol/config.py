@@ -219,8 +219,11 @@ class RunnerConfig(Section):
             raise ValueError("runner.port: hosts on several machines need a fixed first port")
 
     def on_one_host(self) -> bool:
-        """Every rank on this machine: no hosts given, or loopback ones only."""
-        return all(is_loopback(h) for h in self.hosts)
+        """Every rank on this machine: no hosts given, or one loopback address however written
+        ("localhost", "127.0.0.1"). Distinct loopback addresses (127.0.0.1, 127.0.0.2) stand
+        for distinct hosts: that is how a multi-host layout is tried on one machine."""
+        names = {"127.0.0.1" if h == "localhost" else h.strip("[]") for h in self.hosts}
+        return len(names) <= 1 and all(is_loopback(h) for h in names)
 
 
 class MemoryConfig(Section):
