@@ -8,6 +8,9 @@
     rope(x, dims, traditional, base, scale, offsets, *, stream=None) -> mx.array
     greedy_head(x, w, wq, stats, bf16_logits=False, *, stream=None) -> mx.array
     gated_delta(q, k, v, g, beta, state, *, stream=None) -> (y, state)
+    causal_conv(x, w, *, stream=None) -> mx.array
+    silu(gate, x=None, *, stream=None) -> mx.array
+    softmax(scores, causal_length=0, *, stream=None) -> mx.array
 
 They build lazy graph nodes evaluated on MLX's CPU stream. isa() / set_isa(name) report and
 force the instruction-set path; threads() / set_threads(n) the thread count.
@@ -32,6 +35,9 @@ rms_norm = _ext.rms_norm
 rope = _ext.rope
 greedy_head = _ext.greedy_head
 gated_delta = _ext.gated_delta
+causal_conv = _ext.causal_conv
+silu = _ext.silu
+softmax = _ext.softmax
 head_x_levels = _ext.head_x_levels
 isa = _ext.isa
 set_isa = _ext.set_isa

@@ -1,5 +1,6 @@
 // Python module mas_kernels._ext (nanobind, in MLX's domain so mx.array converts both ways).
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/variant.h>
 
@@ -15,7 +16,7 @@ namespace nb = nanobind;
 using namespace nb::literals;
 
 NB_MODULE(_ext, m) {
-  m.doc() = "Quantized (affine), bfloat16 and float32 matmul kernels, decode attention, RMS norm, RoPE and the gated delta rule for MLX on the CPU";
+  m.doc() = "Quantized (affine), bfloat16 and float32 matmul kernels, decode attention, RMS norm, RoPE, the gated delta rule, SiLU and softmax for MLX on the CPU";
   m.attr("mlx_version") = MAS_MLX_VERSION;
 
   m.def("affine_qmm", &mas::affine_qmm, "x"_a, "w"_a, "scales"_a, "biases"_a,
@@ -62,6 +63,18 @@ NB_MODULE(_ext, m) {
       "The gated delta rule token by token, float32: q, k [B, T, Hk, Dk] (Dk a multiple of 16), "
       "v [B, T, Hv, Dv], g and beta [B, T, Hv], state [B, Hv, Dv, Dk] -> (y [B, T, Hv, Dv], "
       "the final state): mlx-lm's gated_delta_ops (scalar gates, no mask) as one graph node.");
+  m.def("causal_conv", &mas::causal_conv, "x"_a, "w"_a, nb::kw_only(), "stream"_a = nb::none(),
+        "The gated-delta layers' causal depthwise convolution, float32: x [B, T + K - 1, C] "
+        "(the K - 1 positions before the chunk, then its T), w [K, C] -> [B, T, C], out[b, t, "
+        "c] = sum_j x[b, t + j, c] w[j, c].");
+  m.def("silu", &mas::silu, "gate"_a, "x"_a = nb::none(), nb::kw_only(), "stream"_a = nb::none(),
+        "silu(gate) = gate * sigmoid(gate), times x where given (gate's shape), float32: nn.silu "
+        "and mlx-lm's swiglu as one graph node, exp vectorized.");
+  m.def("softmax", &mas::softmax, "scores"_a, "causal_length"_a = 0, nb::kw_only(),
+        "stream"_a = nb::none(),
+        "Softmax over the last axis of float32 scores [..., rows, width]. causal_length > 0: "
+        "rows are queries of a chunk of that many tokens (row r is query r % causal_length, at "
+        "key position width - causal_length + r % causal_length); later keys get 0.");
   m.def("head_x_levels", &mas::head_x_levels,
         "The levels x is quantized to by greedy_head on the path in use (127, or 63 on AVX2).");
   m.def("isa", [] { return std::string(mas::isa_name(mas::current_isa())); },

@@ -118,6 +118,45 @@ void gated_delta(const DeltaArgs& a) {
   }
 }
 
+void conv_values(const ConvArgs& a) {
+  switch (g_isa.load()) {
+#if MAS_X86
+    case Isa::avx512:
+      return avx512::conv_values(a);
+    case Isa::avx2:
+      return avx2::conv_values(a);
+#endif
+    default:
+      return scalar::conv_values(a);
+  }
+}
+
+void silu_values(const ActArgs& a) {
+  switch (g_isa.load()) {
+#if MAS_X86
+    case Isa::avx512:
+      return avx512::silu_values(a);
+    case Isa::avx2:
+      return avx2::silu_values(a);
+#endif
+    default:
+      return scalar::silu_values(a);
+  }
+}
+
+void softmax_rows(const SoftmaxArgs& a) {
+  switch (g_isa.load()) {
+#if MAS_X86
+    case Isa::avx512:
+      return avx512::softmax_rows(a);
+    case Isa::avx2:
+      return avx2::softmax_rows(a);
+#endif
+    default:
+      return scalar::softmax_rows(a);
+  }
+}
+
 namespace {
 #if MAS_X86
 const bool g_vnni = (__builtin_cpu_init(), __builtin_cpu_supports("avx512vnni"));

@@ -70,4 +70,41 @@ std::vector<mx::Shape> GatedDelta::output_shapes(const std::vector<mx::array>& i
   return {inputs[2].shape(), inputs[5].shape()};
 }
 
+mx::array causal_conv(const mx::array& x, const mx::array& w, mx::StreamOrDevice s) {
+  const std::string op = "causal_conv: ";
+  if (x.dtype() != mx::float32 || w.dtype() != mx::float32) {
+    throw std::invalid_argument(op + "x and w must be float32");
+  }
+  if (x.ndim() != 3 || w.ndim() != 2 || w.shape(1) != x.shape(2) || w.shape(0) < 1 ||
+      x.shape(1) < w.shape(0) - 1) {
+    throw std::invalid_argument(op + "x must be [B, T + K - 1, C] and w [K, C], got x " +
+                                shape_str(x.shape()) + " and w " + shape_str(w.shape()));
+  }
+  mx::Stream stream = cpu_stream(s, "causal_conv");
+  const mx::Shape shape{x.shape(0), x.shape(1) - w.shape(0) + 1, x.shape(2)};
+  return mx::array(shape, mx::float32, std::make_shared<CausalConv>(stream), {x, w});
+}
+
+void CausalConv::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
+  auto& enc = mx::cpu::get_command_encoder(stream());
+  out.set_data(mx::allocator::malloc(out.nbytes()));
+  const mx::array x = row_contiguous(inputs[0], enc), w = row_contiguous(inputs[1], enc);
+  enc.set_input_array(x);
+  enc.set_input_array(w);
+  enc.set_output_array(out);
+  ConvArgs args{x.data<float>(), w.data<float>(), out.data<float>(), out.shape(0),
+                out.shape(1), out.shape(2), w.shape(0)};
+  if (out.size() == 0) return;
+  enc.dispatch([args]() { mas::conv_values(args); });
+}
+
+void CausalConv::eval_gpu(const std::vector<mx::array>&, mx::array&) {
+  throw std::runtime_error("mas_kernels.causal_conv has no GPU kernel: use nn.Conv1d");
+}
+
+std::vector<mx::Shape> CausalConv::output_shapes(const std::vector<mx::array>& inputs) {
+  const auto& x = inputs[0];
+  return {{x.shape(0), x.shape(1) - inputs[1].shape(0) + 1, x.shape(2)}};
+}
+
 }  // namespace mas

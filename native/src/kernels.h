@@ -73,6 +73,32 @@ struct DeltaArgs {
   int64_t B, T, Hk, Hv, Dk, Dv;
 };
 
+// The causal depthwise convolution of the gated-delta layers (gated_delta.inc): out[b, t, c]
+// = sum_j x[b, t + j, c] w[j, c], j < K.
+struct ConvArgs {
+  const float* x;  // [B, T + K - 1, C]: the K - 1 positions before the chunk, then its T
+  const float* w;  // [K, C]
+  float* out;      // [B, T, C]
+  int64_t B, T, C, K;
+};
+
+// SiLU over n floats (activation.inc): out = silu(gate), times x where x is given.
+struct ActArgs {
+  const float* gate;
+  const float* x;  // nullptr: silu(gate) alone
+  float* out;      // may alias gate or x
+  int64_t n;
+};
+
+// Softmax of each row of `width` scores (activation.inc). length > 0: causal, rows are
+// queries of a chunk of `length` (row r is query r % length, at key position width - length +
+// r % length) and keys after the query's position come out 0.
+struct SoftmaxArgs {
+  const float* scores;  // [rows, width]
+  float* out;           // [rows, width], may alias scores
+  int64_t rows, width, length;
+};
+
 // The greedy head's first pass (greedy_head.cpp): int8 dot products of x's and W's rows
 // with error bounds, keeping the vocabulary rows that can still be the argmax of x @ W.T.
 // Per (task, row of x) state: `lo`, the best lower bound seen so far (by any task: they
@@ -103,6 +129,9 @@ struct HeadArgs {
 
 namespace scalar {
 void gated_delta(const DeltaArgs& a);
+void silu_values(const ActArgs& a);
+void conv_values(const ConvArgs& a);
+void softmax_rows(const SoftmaxArgs& a);
 void qmm(const QmmArgs& a);
 void bf16mm(const Bf16Args& a);
 void f32mm(const F32Args& a);
@@ -111,6 +140,9 @@ void head(const HeadArgs& a);
 }  // namespace scalar
 namespace avx2 {
 void gated_delta(const DeltaArgs& a);
+void silu_values(const ActArgs& a);
+void conv_values(const ConvArgs& a);
+void softmax_rows(const SoftmaxArgs& a);
 void qmm(const QmmArgs& a);
 void bf16mm(const Bf16Args& a);
 void f32mm(const F32Args& a);
@@ -119,6 +151,9 @@ void head(const HeadArgs& a);
 }  // namespace avx2
 namespace avx512 {
 void gated_delta(const DeltaArgs& a);
+void silu_values(const ActArgs& a);
+void conv_values(const ConvArgs& a);
+void softmax_rows(const SoftmaxArgs& a);
 void qmm(const QmmArgs& a);
 void bf16mm(const Bf16Args& a);
 void f32mm(const F32Args& a);
@@ -137,6 +172,9 @@ void bf16mm(const Bf16Args& a);
 void f32mm(const F32Args& a);
 void attention(const AttnArgs& a);
 void gated_delta(const DeltaArgs& a);
+void silu_values(const ActArgs& a);
+void conv_values(const ConvArgs& a);
+void softmax_rows(const SoftmaxArgs& a);
 void head(const HeadArgs& a);
 // The levels x is quantized to for head() on the path in use: 127, or 63 where the int8
 // products go through vpmaddubsw (AVX2), whose 16-bit pair sums would saturate at 127.

@@ -199,6 +199,7 @@ struct F32 : Dense<float> {
 #include "entries.inc"
 #include "attention.inc"
 #include "gated_delta.inc"
+#include "activation.inc"
 #include "head.inc"
 
 namespace {

@@ -132,6 +132,7 @@ void f32mm(const F32Args& a) {
 
 #include "attention.inc"
 #include "gated_delta.inc"
+#include "activation.inc"
 #include "head.inc"
 
 namespace {

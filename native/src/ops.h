@@ -1,6 +1,8 @@
 // The MLX operations: lazy graph nodes whose CPU evaluation runs our kernels.
 #pragma once
 
+#include <optional>
+
 #include "mlx/array.h"
 #include "mlx/backend/cpu/encoder.h"
 #include "mlx/primitives.h"
@@ -164,6 +166,59 @@ class GreedyHead : public mx::UnaryPrimitive {
 
  private:
   bool bf16_logits_;
+};
+
+// The causal depthwise convolution of the gated-delta layers (gated_delta.cpp), float32:
+// x [B, T + K - 1, C] (the K - 1 positions before the chunk, then its T), w [K, C] ->
+// [B, T, C], out[b, t, c] = sum_j x[b, t + j, c] w[j, c].
+mx::array causal_conv(const mx::array& x, const mx::array& w, mx::StreamOrDevice s = {});
+
+class CausalConv : public mx::UnaryPrimitive {
+ public:
+  explicit CausalConv(mx::Stream stream) : mx::UnaryPrimitive(stream) {}
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+  const char* name() const override { return "MasCausalConv"; }
+  bool is_equivalent(const mx::Primitive& other) const override { return true; }
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override;
+};
+
+// silu(gate), times x where given (same shape), float32 (activation.cpp): nn.silu and mlx-lm's
+// swiglu as one node each.
+mx::array silu(const mx::array& gate, const std::optional<mx::array>& x,
+               mx::StreamOrDevice s = {});
+
+class Silu : public mx::UnaryPrimitive {
+ public:
+  explicit Silu(mx::Stream stream) : mx::UnaryPrimitive(stream) {}
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+  const char* name() const override { return "MasSilu"; }
+  bool is_equivalent(const mx::Primitive& other) const override { return true; }
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    return {inputs[0].shape()};
+  }
+};
+
+// Softmax over the last axis of float32 scores [..., rows, width] (activation.cpp).
+// causal_length > 0: the rows are queries of a chunk of that many tokens (row r is query
+// r % causal_length, at key position width - causal_length + r % causal_length), and keys
+// past a query's position get 0: mlx-lm's "causal" mask and the softmax in one pass.
+mx::array softmax(const mx::array& scores, int causal_length, mx::StreamOrDevice s = {});
+
+class Softmax : public mx::UnaryPrimitive {
+ public:
+  Softmax(mx::Stream stream, int length) : mx::UnaryPrimitive(stream), length_(length) {}
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+  const char* name() const override { return "MasSoftmax"; }
+  bool is_equivalent(const mx::Primitive& other) const override;
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    return {inputs[0].shape()};
+  }
+
+ private:
+  int length_;
 };
 
 }  // namespace mas

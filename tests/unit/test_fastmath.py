@@ -1,5 +1,6 @@
-"""The NumPy softmax and SiLU path: MLX's results to float rounding where it is taken, MLX's own
-path bit for bit everywhere else (outside active(), small shapes, other dtypes)."""
+"""The fast softmax and SiLU paths, through the compiled kernels or NumPy: MLX's results to float
+rounding where one is taken, MLX's own path bit for bit everywhere else (outside active(),
+small shapes, other dtypes)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,21 @@ from mlx_lm.models.cache import make_prompt_cache
 from actors.model_runner.cpu import fastmath
 from models.builtin import ensure_builtin
 from actors.model_runner.loading import load_model
+
+try:
+    import mas_kernels
+except ImportError:  # not built: the NumPy path only
+    mas_kernels = None
+
+
+@pytest.fixture(params=["numpy", "kernels"])
+def path(request, monkeypatch):
+    """Which path fastmath takes: NumPy's exp, or mas_kernels' silu and softmax."""
+    if request.param == "kernels" and mas_kernels is None:
+        pytest.skip("mas_kernels is not built")
+    monkeypatch.setattr(fastmath, "_kernels", mas_kernels if request.param == "kernels" else None)
+    return request.param
+
 
 MASKS = {
     "none": lambda b, h, n, w: None,
@@ -30,7 +46,7 @@ MASKS = {
     (2, 8, 2, 100, 400),  # a later chunk: queries are the last 100 of 400 positions
     (16, 8, 8, 1, 384),  # a decode step of 16 rows
 ])
-def test_attention_matches_mlx(mask, b, heads, kv_heads, length, width):
+def test_attention_matches_mlx(path, mask, b, heads, kv_heads, length, width):
     mx.random.seed(3)
     q = mx.random.normal((b, heads, length, 64))
     k, v = mx.random.normal((2, b, kv_heads, width, 64))
@@ -44,7 +60,7 @@ def test_attention_matches_mlx(mask, b, heads, kv_heads, length, width):
     assert mx.array_equal(fastmath.attention(q, k, v, None, scale=0.125, mask=m), want).item()
 
 
-def test_small_or_low_precision_inputs_stay_on_mlx():
+def test_small_or_low_precision_inputs_stay_on_mlx(path):
     mx.random.seed(4)
     q = mx.random.normal((1, 4, 8, 32))  # 4 * 8 * 8 scores: below MIN_ELEMENTS
     k, v = mx.random.normal((2, 1, 4, 8, 32))
@@ -56,10 +72,14 @@ def test_small_or_low_precision_inputs_stay_on_mlx():
         stock = base.scaled_dot_product_attention(*big, None, scale=0.2, mask="causal")
         assert mx.array_equal(fastmath.attention(*big, None, 0.2, "causal"), stock).item()
         gate = mx.random.normal((4, 16))
+        if path == "numpy":  # the kernel takes every size: it never leaves the graph
+            assert mx.array_equal(fastmath.swiglu(gate, gate),
+                                  activations.swiglu(gate, gate)).item()
+        gate = gate.astype(mx.bfloat16)
         assert mx.array_equal(fastmath.swiglu(gate, gate), activations.swiglu(gate, gate)).item()
 
 
-def test_swiglu_matches_mlx_and_saturates_quietly():
+def test_swiglu_matches_mlx_and_saturates_quietly(path):
     mx.random.seed(5)
     gate = mx.random.normal((300, 1536)) * 6
     gate[0, :4] = mx.array([-200.0, -89.0, 89.0, 0.0])
@@ -90,9 +110,9 @@ def test_install_patches_the_model_modules_once():
 
 
 @pytest.mark.parametrize("name", ["qwen3-tiny", "qwen3_5-tiny"])
-def test_greedy_tokens_are_unchanged_on_a_real_model(model_cache, name, monkeypatch):
+def test_greedy_tokens_are_unchanged_on_a_real_model(path, model_cache, name, monkeypatch):
     # The tiny models' SiLU inputs are below the prefill-sized threshold: lower it, so that
-    # both NumPy paths run here.
+    # both NumPy paths run here (the kernels take every size).
     monkeypatch.setattr(fastmath, "SWIGLU_MIN_ELEMENTS", fastmath.MIN_ELEMENTS)
     path = str(ensure_builtin(name, cache_dir=model_cache, progress=False))
     plain, fast = load_model(path), load_model(path)
@@ -110,16 +130,16 @@ def test_greedy_tokens_are_unchanged_on_a_real_model(model_cache, name, monkeypa
         return out, logits
 
     want, want_logits = greedy(plain, on=False)
-    assert fastmath.install(fast) >= 0
+    assert fastmath.install(fast, fastmath._kernels) >= 0
     stock, stock_logits = greedy(fast, on=False)  # installed but inactive: the same bits
     assert stock == want and mx.array_equal(stock_logits, want_logits).item()
     got, got_logits = greedy(fast, on=True)
     assert got == want
     assert mx.allclose(got_logits, want_logits, atol=1e-3).item()
-    assert not mx.array_equal(got_logits, want_logits).item()  # the NumPy path did run
+    assert not mx.array_equal(got_logits, want_logits).item()  # the fast path did run
 
 
-def test_silu_and_precise_swiglu_match_mlx():
+def test_silu_and_precise_swiglu_match_mlx(path):
     mx.random.seed(6)
     x = mx.random.normal((300, 1024)) * 6
     x[0, :3] = mx.array([-200.0, 89.0, 0.0])
@@ -131,8 +151,8 @@ def test_silu_and_precise_swiglu_match_mlx():
     assert mx.allclose(got_gated, activations.precise_swiglu(h, x, h), atol=1e-5,
                        rtol=1e-5).item()
     small = x[:2, :8]
-    with fastmath.active():  # below the threshold: MLX's own, bit for bit
-        assert mx.array_equal(fastmath.silu(small), nn.silu(small)).item()
+    with fastmath.active():  # NumPy below the threshold: MLX's own, bit for bit
+        assert mx.array_equal(fastmath.silu(small), nn.silu(small)).item() == (path == "numpy")
 
 
 def test_install_gives_the_hybrid_modules_the_fast_silu(model_cache):

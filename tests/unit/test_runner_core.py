@@ -178,18 +178,23 @@ def test_eviction_under_a_small_budget_keeps_tokens_identical(setup):
 
 
 @pytest.mark.parametrize("depth", [1, 2], ids=["plain", "overlap"])
-def test_long_chunks_take_the_numpy_softmax_and_keep_tokens_identical(setup, depth, monkeypatch):
+def test_long_chunks_take_the_fast_softmax_and_keep_tokens_identical(setup, depth, monkeypatch):
     """Prefill chunks of 256 (scores and SiLU far above fastmath.MIN_ELEMENTS) beside decodes
-    of eight rows: the NumPy path runs in the runner's steps and the tokens stay mlx-lm's."""
+    of eight rows: the fast softmax (the compiled kernel where built, else NumPy) runs in the
+    runner's steps and the tokens stay mlx-lm's."""
     path, oracle, info = setup
     calls = []
-    numpy_softmax = fastmath.softmax
+    try:
+        import mas_kernels as owner  # the runner installs fastmath with the kernels
+    except ImportError:
+        owner = fastmath
+    fast_softmax = owner.softmax
 
-    def counted_softmax(scores):
+    def counted_softmax(scores, *args):
         calls.append(scores.shape)
-        return numpy_softmax(scores)
+        return fast_softmax(scores, *args)
 
-    monkeypatch.setattr(fastmath, "softmax", counted_softmax)
+    monkeypatch.setattr(owner, "softmax", counted_softmax)
     ids = [oracle.tokenizer.encode(f"{k}: " + p * 30)[:180 + 10 * k] for k, p in
            enumerate(PROMPTS)]
     arrivals = {0: [(f"r{k}", p, 8) for k, p in enumerate(ids[:3])],

@@ -90,11 +90,11 @@ def install(model: nn.Module, runtime: RuntimeConfig, vocab_size: int) -> Instal
         mx.set_cache_limit(cache_mib << 20)
     compiled = weights.compiled_kernels(runtime)
     kernels = compiled if runtime.skinny_matmul else None
-    fast_math_globals = fastmath.install(model) if runtime.fast_math else 0
+    fast_math_globals = fastmath.install(model, compiled) if runtime.fast_math else 0
     if compiled is not None:
         attention.install(model)  # after fastmath: it falls back to fastmath's dispatcher
     chunked = chunked_delta.install(runtime.linear_prefill, compiled)
-    convs = chunked_delta.apply(model) if runtime.linear_prefill else 0
+    convs = chunked_delta.apply(model, compiled) if runtime.linear_prefill else 0
     head_modules = head.install(model, vocab_size)
     greedy = None
     if compiled is not None and runtime.greedy_head:

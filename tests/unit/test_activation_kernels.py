@@ -1,0 +1,82 @@
+"""The SiLU and softmax kernels (mas_kernels.silu / .softmax, native/src/activation.inc) against
+float64 references on every instruction-set path this CPU has: saturation far out on both
+sides, lengths that are not a multiple of the vector width, the causal mask of a later prompt
+chunk over grouped query heads, and clear errors for inputs they do not take."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+mk = pytest.importorskip(
+    "mas_kernels", reason="mas_kernels is not built (pip install --no-build-isolation ./native)")
+import mlx.core as mx  # noqa: E402
+
+from tests.unit.test_kernels import isa  # noqa: E402,F401  (every path this CPU has)
+
+
+def _silu64(x: np.ndarray) -> np.ndarray:
+    x = x.astype(np.float64)
+    with np.errstate(over="ignore"):
+        return x / (1.0 + np.exp(-x))
+
+
+@pytest.mark.parametrize("n", [1, 15, 16, 17, 1000, 70_001])
+def test_silu_matches_float64(isa, n):
+    x = np.random.default_rng(n).normal(0, 8, n).astype(np.float32)
+    x[: min(n, 4)] = [-200.0, 200.0, 0.0, -88.5][: min(n, 4)]
+    got = np.asarray(mk.silu(mx.array(x))).astype(np.float64)
+    want = _silu64(x)
+    big = np.abs(want) > 1e-30
+    assert np.all(np.abs(got - want)[big] <= 5e-7 * np.abs(want[big]))
+    assert np.all(np.abs(got[~big]) < 1e-30)  # far left: silu is ~0, never nan or inf
+    assert got[0] == 0.0  # silu(-200): exactly -0.0, as MLX gives
+    assert np.isfinite(got).all()
+
+
+def test_silu_times_x_and_strided_inputs(isa):
+    g = mx.random.normal((64, 300), key=mx.random.key(1)) * 5
+    x = mx.random.normal((300, 64), key=mx.random.key(2)).T  # not row-contiguous
+    got = np.asarray(mk.silu(g, x)).astype(np.float64)
+    want = _silu64(np.asarray(g)) * np.asarray(x).astype(np.float64)
+    assert np.abs(got - want).max() < 5e-6
+
+
+def _softmax64(s: np.ndarray, keep: np.ndarray | None = None) -> np.ndarray:
+    s = s.astype(np.float64)
+    if keep is not None:
+        s = np.where(keep, s, -np.inf)
+    e = np.exp(s - s.max(-1, keepdims=True))
+    return e / e.sum(-1, keepdims=True)
+
+
+@pytest.mark.parametrize("width", [1, 7, 16, 33, 2000])
+def test_softmax_rows_match_float64(isa, width):
+    s = (np.random.default_rng(width).normal(0, 6, (3, 5, width))).astype(np.float32)
+    got = np.asarray(mk.softmax(mx.array(s)))
+    assert np.abs(got - _softmax64(s)).max() < 1e-6
+    assert np.allclose(got.sum(-1), 1.0, atol=1e-6)
+
+
+@pytest.mark.parametrize("length, width", [(1, 1), (5, 5), (100, 400), (37, 53)])
+def test_causal_softmax_masks_later_keys(isa, length, width):
+    """Rows (group, query) as fastmath stacks them: query r % length sits at key position
+    width - length + r % length and sees keys up to it."""
+    group = 3
+    s = np.random.default_rng(length).normal(0, 4, (2, group * length, width)).astype(np.float32)
+    pos = width - length + np.arange(group * length) % length
+    keep = np.arange(width)[None, :] <= pos[:, None]
+    got = np.asarray(mk.softmax(mx.array(s), length))
+    assert np.abs(got - _softmax64(s, keep)).max() < 1e-6
+    assert np.all(got[:, ~keep] == 0.0)
+
+
+def test_bad_inputs_are_refused_by_name():
+    with pytest.raises(ValueError, match="float32"):
+        mk.silu(mx.zeros((4,), mx.bfloat16))
+    with pytest.raises(ValueError, match="shape"):
+        mk.silu(mx.zeros((4,)), mx.zeros((5,)))
+    with pytest.raises(ValueError, match="causal_length"):
+        mk.softmax(mx.zeros((2, 6, 4)), 4)  # 6 rows are not queries of chunks of 4
+    with pytest.raises(ValueError, match="causal_length"):
+        mk.softmax(mx.zeros((2, 4, 3)), 4)  # a chunk wider than the keys
