@@ -110,3 +110,18 @@ def test_value_dims_off_the_row_blocks(isa):
     want_y, want_s = SEQUENTIAL(q, k, v, g, beta, state)
     y, s = mk.gated_delta(q, k, v, g, beta, state)
     assert rel(y, want_y) < 2e-6 and rel(s, want_s) < 2e-6
+
+
+@pytest.mark.parametrize("B,T,C,K", [(1, 1, 3072, 4), (2, 37, 40, 4), (1, 300, 17, 3), (3, 5, 16, 1)])
+def test_causal_conv_equals_mlx_convolution(isa, B, T, C, K):
+    """The layers' depthwise convolution (mas_kernels.causal_conv, and ShiftedConv1d through
+    it) against MLX's nn.Conv1d; channels not a multiple of 16 take the kernel's scalar tail."""
+    import mlx.nn as nn
+
+    conv = nn.Conv1d(C, C, K, groups=C, bias=False)
+    x = mx.random.normal((B, T + K - 1, C), key=mx.random.key(T))
+    want = conv(x)
+    assert rel(mk.causal_conv(x, conv.weight[:, :, 0].T), want) < 1e-6
+    assert rel(chunked_delta.ShiftedConv1d(conv, mk)(x), want) < 1e-6
+    with pytest.raises(ValueError, match="causal_conv"):
+        mk.causal_conv(x, conv.weight[:, :, 0])  # [C, K]: not [K, C]
