@@ -2,7 +2,7 @@
 instruction-set path this CPU has: gates near 0 and 1 and exactly 0 (a reset), state carried
 in from a snapshot, more value heads than key heads, batches of decode rows (T = 1) and prompt
 chunks, head dims that are not a multiple of the kernel's row blocks; and its use by the
-runner's dispatch (chunked_delta.install)."""
+runner's dispatch (chunked_delta.install). Also the layers' causal convolution kernel."""
 
 from __future__ import annotations
 
