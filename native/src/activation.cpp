@@ -25,11 +25,7 @@ mx::array silu(const mx::array& gate, const std::optional<mx::array>& x, mx::Str
 
 void Silu::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
   auto& enc = mx::cpu::get_command_encoder(stream());
-  out.set_data(mx::allocator::malloc(out.nbytes()));
-  std::vector<mx::array> in;
-  for (const auto& a : inputs) in.push_back(row_contiguous(a, enc));
-  for (const auto& a : in) enc.set_input_array(a);
-  enc.set_output_array(out);
+  const auto in = cpu_io(enc, inputs, {out});
   ActArgs args{in[0].data<float>(), in.size() > 1 ? in[1].data<float>() : nullptr,
                out.data<float>(), static_cast<int64_t>(out.size())};
   if (args.n == 0) return;
@@ -60,10 +56,7 @@ mx::array softmax(const mx::array& scores, int causal_length, mx::StreamOrDevice
 
 void Softmax::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
   auto& enc = mx::cpu::get_command_encoder(stream());
-  out.set_data(mx::allocator::malloc(out.nbytes()));
-  const mx::array x = row_contiguous(inputs[0], enc);
-  enc.set_input_array(x);
-  enc.set_output_array(out);
+  const mx::array x = cpu_io(enc, inputs, {out})[0];
   const int64_t width = x.shape(-1);
   SoftmaxArgs args{x.data<float>(), out.data<float>(),
                    width ? static_cast<int64_t>(x.size()) / width : 0, width, length_};

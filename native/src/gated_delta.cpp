@@ -47,11 +47,7 @@ std::vector<mx::array> gated_delta(const mx::array& q, const mx::array& k, const
 
 void GatedDelta::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
   auto& enc = mx::cpu::get_command_encoder(stream());
-  for (auto& o : outputs) o.set_data(mx::allocator::malloc(o.nbytes()));
-  std::vector<mx::array> in;
-  for (const auto& a : inputs) in.push_back(row_contiguous(a, enc));
-  for (const auto& a : in) enc.set_input_array(a);
-  for (auto& o : outputs) enc.set_output_array(o);
+  const auto in = cpu_io(enc, inputs, outputs);
   const mx::array &q = in[0], &v = in[2], &state = in[5];
   DeltaArgs args{q.data<float>(), in[1].data<float>(), v.data<float>(), in[3].data<float>(),
                  in[4].data<float>(), state.data<float>(), outputs[0].data<float>(),
@@ -87,11 +83,8 @@ mx::array causal_conv(const mx::array& x, const mx::array& w, mx::StreamOrDevice
 
 void CausalConv::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
   auto& enc = mx::cpu::get_command_encoder(stream());
-  out.set_data(mx::allocator::malloc(out.nbytes()));
-  const mx::array x = row_contiguous(inputs[0], enc), w = row_contiguous(inputs[1], enc);
-  enc.set_input_array(x);
-  enc.set_input_array(w);
-  enc.set_output_array(out);
+  const auto in = cpu_io(enc, inputs, {out});
+  const mx::array &x = in[0], &w = in[1];
   ConvArgs args{x.data<float>(), w.data<float>(), out.data<float>(), out.shape(0),
                 out.shape(1), out.shape(2), w.shape(0)};
   if (out.size() == 0) return;

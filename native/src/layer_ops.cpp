@@ -31,11 +31,8 @@ mx::array rms_norm(const mx::array& x, const mx::array& weight, float eps, mx::S
 
 void RmsNorm::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
   auto& enc = mx::cpu::get_command_encoder(stream());
-  out.set_data(mx::allocator::malloc(out.nbytes()));
-  const mx::array x = row_contiguous(inputs[0], enc), w = row_contiguous(inputs[1], enc);
-  enc.set_input_array(x);
-  enc.set_input_array(w);
-  enc.set_output_array(out);
+  const auto in = cpu_io(enc, inputs, {out});
+  const mx::array &x = in[0], &w = in[1];
   const int64_t D = x.shape(-1), rows = D ? static_cast<int64_t>(x.size()) / D : 0;
   enc.dispatch([xp = x.data<float>(), wp = w.data<float>(), op = out.data<float>(), rows, D,
                 eps = eps_]() {
@@ -83,11 +80,8 @@ mx::array rope(const mx::array& x, int dims, bool traditional, float base, float
 
 void Rope::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
   auto& enc = mx::cpu::get_command_encoder(stream());
-  out.set_data(mx::allocator::malloc(out.nbytes()));
-  const mx::array x = row_contiguous(inputs[0], enc), offsets = row_contiguous(inputs[1], enc);
-  enc.set_input_array(x);
-  enc.set_input_array(offsets);
-  enc.set_output_array(out);
+  const auto in = cpu_io(enc, inputs, {out});
+  const mx::array &x = in[0], &offsets = in[1];
   const int64_t B = x.shape(0), H = x.shape(1), T = x.shape(2), D = x.shape(3);
   const int64_t per_row = offsets.shape(0) == 1 ? 0 : 1;
   enc.dispatch([xp = x.data<float>(), off = offsets.data<int32_t>(), op = out.data<float>(), B,

@@ -94,6 +94,16 @@ mx::array row_contiguous(const mx::array& a, mx::cpu::CommandEncoder& enc) {
   return c;
 }
 
+std::vector<mx::array> cpu_io(mx::cpu::CommandEncoder& enc, const std::vector<mx::array>& inputs,
+                              std::vector<mx::array> outputs) {
+  for (auto& o : outputs) o.set_data(mx::allocator::malloc(o.nbytes()));
+  std::vector<mx::array> in;
+  for (const auto& a : inputs) in.push_back(row_contiguous(a, enc));
+  for (const auto& a : in) enc.set_input_array(a);
+  for (auto& o : outputs) enc.set_output_array(o);
+  return in;
+}
+
 mx::array affine_qmm(const mx::array& x, const mx::array& w, const mx::array& scales,
                      const mx::array& biases, int group_size, int bits, mx::StreamOrDevice s) {
   if (bits != 4 && bits != 8) {

@@ -20,6 +20,11 @@ mx::Stream cpu_stream(mx::StreamOrDevice s, const char* op);
 // `a` itself when row-contiguous, else a row-major copy made on the stream (in order, before
 // the kernel that reads it) and kept alive by the encoder until that kernel has run.
 mx::array row_contiguous(const mx::array& a, mlx::core::cpu::CommandEncoder& enc);
+// What a primitive's eval_cpu does first: its outputs allocated, its inputs made row-contiguous,
+// both registered with the encoder. Returns the row-contiguous inputs, in order.
+std::vector<mx::array> cpu_io(mlx::core::cpu::CommandEncoder& enc,
+                              const std::vector<mx::array>& inputs,
+                              std::vector<mx::array> outputs);
 
 // x [..., K] float32 @ dequantize(w, scales, biases).T -> [..., N] float32 (mlx affine mode).
 mx::array affine_qmm(const mx::array& x, const mx::array& w, const mx::array& scales,
