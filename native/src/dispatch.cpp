@@ -53,109 +53,34 @@ const char* isa_name(Isa isa) {
   return "?";
 }
 
-void qmm(const QmmArgs& a) {
-  switch (g_isa.load()) {
+// Each kernel's entry point runs the path in use: one definition per kernel.
 #if MAS_X86
-    case Isa::avx512:
-      return avx512::qmm(a);
-    case Isa::avx2:
-      return avx2::qmm(a);
-#endif
-    default:
-      return scalar::qmm(a);
+#define MAS_BY_ISA(fn, Args)                     \
+  void fn(const Args& a) {                       \
+    switch (g_isa.load()) {                      \
+      case Isa::avx512:                          \
+        return avx512::fn(a);                    \
+      case Isa::avx2:                            \
+        return avx2::fn(a);                      \
+      default:                                   \
+        return scalar::fn(a);                    \
+    }                                            \
   }
-}
+#else
+#define MAS_BY_ISA(fn, Args) \
+  void fn(const Args& a) { scalar::fn(a); }
+#endif
 
-void bf16mm(const Bf16Args& a) {
-  switch (g_isa.load()) {
-#if MAS_X86
-    case Isa::avx512:
-      return avx512::bf16mm(a);
-    case Isa::avx2:
-      return avx2::bf16mm(a);
-#endif
-    default:
-      return scalar::bf16mm(a);
-  }
-}
+MAS_BY_ISA(qmm, QmmArgs)
+MAS_BY_ISA(bf16mm, Bf16Args)
+MAS_BY_ISA(f32mm, F32Args)
+MAS_BY_ISA(attention, AttnArgs)
+MAS_BY_ISA(gated_delta, DeltaArgs)
+MAS_BY_ISA(conv_values, ConvArgs)
+MAS_BY_ISA(silu_values, ActArgs)
+MAS_BY_ISA(softmax_rows, SoftmaxArgs)
 
-void f32mm(const F32Args& a) {
-  switch (g_isa.load()) {
-#if MAS_X86
-    case Isa::avx512:
-      return avx512::f32mm(a);
-    case Isa::avx2:
-      return avx2::f32mm(a);
-#endif
-    default:
-      return scalar::f32mm(a);
-  }
-}
-
-void attention(const AttnArgs& a) {
-  switch (g_isa.load()) {
-#if MAS_X86
-    case Isa::avx512:
-      return avx512::attention(a);
-    case Isa::avx2:
-      return avx2::attention(a);
-#endif
-    default:
-      return scalar::attention(a);
-  }
-}
-
-void gated_delta(const DeltaArgs& a) {
-  switch (g_isa.load()) {
-#if MAS_X86
-    case Isa::avx512:
-      return avx512::gated_delta(a);
-    case Isa::avx2:
-      return avx2::gated_delta(a);
-#endif
-    default:
-      return scalar::gated_delta(a);
-  }
-}
-
-void conv_values(const ConvArgs& a) {
-  switch (g_isa.load()) {
-#if MAS_X86
-    case Isa::avx512:
-      return avx512::conv_values(a);
-    case Isa::avx2:
-      return avx2::conv_values(a);
-#endif
-    default:
-      return scalar::conv_values(a);
-  }
-}
-
-void silu_values(const ActArgs& a) {
-  switch (g_isa.load()) {
-#if MAS_X86
-    case Isa::avx512:
-      return avx512::silu_values(a);
-    case Isa::avx2:
-      return avx2::silu_values(a);
-#endif
-    default:
-      return scalar::silu_values(a);
-  }
-}
-
-void softmax_rows(const SoftmaxArgs& a) {
-  switch (g_isa.load()) {
-#if MAS_X86
-    case Isa::avx512:
-      return avx512::softmax_rows(a);
-    case Isa::avx2:
-      return avx2::softmax_rows(a);
-#endif
-    default:
-      return scalar::softmax_rows(a);
-  }
-}
+#undef MAS_BY_ISA
 
 namespace {
 #if MAS_X86
