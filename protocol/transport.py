@@ -12,7 +12,7 @@ from pathlib import Path
 import msgspec
 import zmq
 
-from protocol.config import Config, is_loopback  # noqa: F401  (is_loopback: re-exported)
+from protocol.config import Config
 
 ACTORS = ("tokenizer", "scheduler", "runner", "detokenizer")
 

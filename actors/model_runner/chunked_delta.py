@@ -115,16 +115,14 @@ class ShiftedConv1d(nn.Module):
         self._kernels = kernels
 
     def __call__(self, x: mx.array) -> mx.array:
-        kernel = self.weight.shape[1]
-        n = x.shape[1] - kernel + 1
         w = self.weight[:, :, 0].T  # [kernel, C]
-        if (self._kernels is not None and x.dtype == w.dtype == mx.float32
-                and mx.default_device() == mx.cpu):
-            y = self._kernels.causal_conv(x, w)
-            return y + self.bias if "bias" in self else y
-        y = x[:, :n] * w[0]
-        for j in range(1, kernel):
-            y = y + x[:, j:j + n] * w[j]
+        if self._kernels is not None and x.dtype == w.dtype == mx.float32:
+            y = self._kernels.causal_conv(x, w)  # the kernels are given on the CPU only
+        else:
+            n = x.shape[1] - w.shape[0] + 1
+            y = x[:, :n] * w[0]
+            for j in range(1, w.shape[0]):
+                y = y + x[:, j:j + n] * w[j]
         return y + self.bias if "bias" in self else y
 
 

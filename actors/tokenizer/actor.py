@@ -18,8 +18,8 @@ from actors.tokenizer.metrics import Metrics
 from actors.tokenizer.router import Router
 from protocol import messages as m
 from protocol.codec import encode
-from protocol.config import ServerConfig
-from protocol.transport import actor_name, bind_tcp, curve_server, is_loopback
+from protocol.config import ServerConfig, is_loopback
+from protocol.transport import actor_name, bind_tcp, curve_server
 
 
 class TokenizerActor:

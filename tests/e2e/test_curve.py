@@ -14,8 +14,7 @@ from actors.tokenizer.actor import insecure_endpoints
 from harness.graph import Graph
 from models.builtin import ensure_builtin
 from protocol.client import AsyncClient, Client, ServerError
-from protocol.config import ConfigError, ServerConfig, load_config
-from protocol.transport import is_loopback
+from protocol.config import ConfigError, ServerConfig, is_loopback, load_config
 
 API_KEY = "open-sesame"
 

@@ -111,14 +111,17 @@ def attention(queries: mx.array, keys: mx.array, values: mx.array, cache, scale:
     kv_heads, width = keys.shape[1], keys.shape[2]
     stock = (sinks is not None or hasattr(cache, "bits")
              or b * heads * length * width < MIN_ELEMENTS or not _wanted(queries, keys, values))
-    grouped = _UNSUPPORTED if stock else _group_mask(mask, heads, kv_heads, length, width)
+    # The kernel applies a causal mask itself (rows are (group, query): row r is query
+    # r % length, as it counts); other masks are built here.
+    causal = _kernels is not None and isinstance(mask, str) and mask == "causal"
+    grouped = (_UNSUPPORTED if stock else None if causal
+               else _group_mask(mask, heads, kv_heads, length, width))
     if grouped is _UNSUPPORTED:
         return _stock_attention(queries, keys, values, cache=cache, scale=scale, mask=mask,
                                 sinks=sinks)
     group = heads // kv_heads  # query heads sharing one KV head, adjacent as in MLX's GQA
     scores = (queries * scale).reshape(b, kv_heads, group * length, dim) @ keys.swapaxes(-1, -2)
-    if _kernels is not None and isinstance(mask, str):
-        # Rows are (group, query): row r is query r % length, as the kernel's causal mask counts.
+    if causal:
         return (_kernels.softmax(scores, length) @ values).reshape(b, heads, length, dim)
     if grouped is not None:
         scores = scores.reshape(b, kv_heads, group, length, width)
