@@ -36,12 +36,9 @@ class Scheduler:
         self.rows = RowPool(max_running)
         # share_groups False (a model whose layers the tree cannot restore, prefix_plan.py): the
         # choices of a group prefill on their own, and nothing goes through the tree.
-        self.memory = Memory(kv_slots, state_slots, prefix_cache, share_groups)
+        self.memory = Memory(kv_slots, state_slots, prefix_cache, share_groups, snapshot_interval)
         self.slots = self.memory.slots
         self.chunk = chunked_prefill_size
-        # Hybrid models resume a prefix only where a state snapshot was taken, and snapshots
-        # are taken at chunk boundaries: cut prefill chunks at multiples of this interval.
-        self.snapshot_interval = snapshot_interval if state_slots and prefix_cache else 0
         self.context_length = context_length
         self.decode = decode  # for stop strings: decodes the tail of an output
         self.eos_ids = frozenset(eos_ids)
@@ -174,8 +171,6 @@ class Scheduler:
 
     def _prefill_chunk(self, req: Request, budget: int, step: BatchBuilder) -> int:
         n = min(len(req.fill) - req.filled, budget)
-        if self.snapshot_interval:
-            n = min(n, self.snapshot_interval - req.filled % self.snapshot_interval)
         end = next((e for e in req.chunk_ends if e > req.filled), 0)
         if end:
             n = min(n, end - req.filled)

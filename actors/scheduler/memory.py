@@ -19,9 +19,13 @@ from protocol.messages import OpKind
 
 class Memory:
     def __init__(self, kv_slots: int, state_slots: int = 0, prefix: bool = False,
-                 share_groups: bool = True):
+                 share_groups: bool = True, snapshot_interval: int = 0):
         self.slots = SlotPool(kv_slots)
         self.states = SlotPool(state_slots) if state_slots else None
+        # Hybrid models resume a prefix only where a state snapshot was taken, and snapshots
+        # are taken where chunks end: with the prefix cache on, chunks also end at multiples
+        # of this interval.
+        self.snapshot_interval = snapshot_interval if state_slots and prefix else 0
         # Without the prefix cache the tree still carries a group's shared prompt (n > 1) from
         # the sibling that computed it to the others, and is emptied when they let go of it.
         # share_groups False (layers the tree cannot restore): no tree, no KV op at all.
@@ -71,13 +75,16 @@ class Memory:
         models keep every position's KV in the tree anyway: only n > 1 siblings need the cut
         before the prompt's last token, so they compute one token each. A hybrid model
         resumes only at a state snapshot, taken where a chunk ends: there too (an exact
-        repeat, a retry, a later n), and where the prompt leaves what the tree holds (a
-        shared system prompt snapshotted short of its end: the next one resumes there)."""
+        repeat, a retry, a later n), where the prompt leaves what the tree holds (a shared
+        system prompt snapshotted short of its end: the next one resumes there), and at every
+        multiple of snapshot_interval."""
         if match is None or not (req.group or self.states is not None):
             return []
         ends = {len(req.fill) - 1}
         if self.states is not None:
             ends.add(match.reach)
+        if self.snapshot_interval:
+            ends.update(range(self.snapshot_interval, len(req.fill), self.snapshot_interval))
         return sorted(end for end in ends if end > match.length)
 
     def _uses_tree(self, req: Request) -> bool:

@@ -9,9 +9,10 @@ EOS = 99
 P = m.SamplingParams
 
 
-def make(chunk=4, kv=256, states=8):
+def make(chunk=4, kv=256, states=8, interval=0):
     return Scheduler(max_running=4, context_length=128, eos_ids=[EOS], chunked_prefill_size=chunk,
-                     kv_slots=kv, state_slots=states, prefix_cache=True)
+                     kv_slots=kv, state_slots=states, prefix_cache=True,
+                     snapshot_interval=interval)
 
 
 def kinds(batch):
@@ -194,4 +195,16 @@ def test_a_shared_system_prompt_is_snapshotted_where_prompts_diverge():
     assert hit.start_pos == [20] and kinds(hit) == [m.OpKind.KV_LOAD, m.OpKind.COPY]
     finish(s, hit)
     run_to_idle(s)
+    assert not any(s.leaks().values())
+
+
+def test_hybrid_chunks_end_at_every_snapshot_interval_and_before_the_last_token():
+    s = make(chunk=64, interval=8)
+    s.add("a", list(range(1, 21)), P(max_new_tokens=1))  # 20 tokens
+    chunks = []
+    while (batch := s.schedule()) is not None:
+        chunks += zip(batch.start_pos, batch.input_lens)
+        finish(s, batch)
+    # Cuts at 8 and 16 (the interval) and 19 (the prompt's last token runs alone).
+    assert chunks == [(0, 8), (8, 8), (16, 3), (19, 1)]
     assert not any(s.leaks().values())
