@@ -28,6 +28,7 @@ class Bridge(Protocol):
     """What the HTTP app needs from the actor that hosts it."""
 
     model_name: str
+    context_length: int
     api_key: str
     limits: LimitsConfig
 
@@ -91,7 +92,7 @@ def build_app(bridge: Bridge) -> Starlette:
     async def tokenize(request: Request) -> Response:
         ids = bridge.tokenize(parse_tokenize(await _body(request, bridge.limits), bridge.limits))
         return JSONResponse({"count": len(ids), "max_model_len":
-                             bridge.server_info()["context_length"], "tokens": ids})
+                             bridge.context_length, "tokens": ids})
 
     return Starlette(routes=[
         Route("/v1/completions", guarded(completions), methods=["POST"]),
