@@ -1,7 +1,7 @@
 """Prefill speed of a hybrid (Qwen3.5) model: one prompt at a time, time to its first token,
-ours with the chunkwise gated-delta prefill (and shifted-sum convolutions) against ours with
-mlx-lm's per-token loop and MLX's convolution (`runtime.linear_prefill = false`: as before)
-and against mlx_lm.server, on the same model and BLAS.
+ours with the gated-delta kernel (or its blocks) and the convolution kernel (or shifted sums)
+against ours with mlx-lm's per-token loop and MLX's convolution (`runtime.linear_prefill =
+false`; the SiLU and softmax kernels stay on) and against mlx_lm.server, on the same model and BLAS.
 
     python -m benchmarks.serving.hybrid [--model qwen3_5-small] [--tokens 512 2000] [--repeats 2]
 
@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
         results["ours"] = measure(target, warm, prompts)
         repeat = {name: repeats(target, ps) for name, ps in short.items()}
     with ours(model_dir, args.blas, ["runtime.linear_prefill=false", *args.set]) as target:
-        results["ours, mlx-lm's loop (before)"] = measure(target, warm, prompts)
+        results["ours, mlx-lm's loop"] = measure(target, warm, prompts)
     if not args.no_mlx_lm:
         with mlx_lm_server(model_dir, args.blas, eos) as target:
             results["mlx_lm.server"] = measure(target, warm, prompts)
