@@ -1,7 +1,8 @@
 """Prefill speed of a hybrid (Qwen3.5) model: one prompt at a time, time to its first token,
 ours with the gated-delta kernel (or its blocks) and the convolution kernel (or shifted sums)
 against ours with mlx-lm's per-token loop and MLX's convolution (`runtime.linear_prefill =
-false`; the SiLU and softmax kernels stay on) and against mlx_lm.server, on the same model and BLAS.
+false`; the SiLU and softmax kernels stay on) and against mlx_lm.server, on the same model
+and BLAS.
 
     python -m benchmarks.serving.hybrid [--model qwen3_5-small] [--tokens 512 2000] [--repeats 2]
 
