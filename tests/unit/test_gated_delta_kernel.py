@@ -112,7 +112,8 @@ def test_value_dims_off_the_row_blocks(isa):
     assert rel(y, want_y) < 2e-6 and rel(s, want_s) < 2e-6
 
 
-@pytest.mark.parametrize("B,T,C,K", [(1, 1, 3072, 4), (2, 37, 40, 4), (1, 300, 17, 3), (3, 5, 16, 1)])
+@pytest.mark.parametrize("B,T,C,K", [(1, 1, 3072, 4), (2, 37, 40, 4), (1, 300, 17, 3),
+                                     (3, 5, 16, 1)])
 def test_causal_conv_equals_mlx_convolution(isa, B, T, C, K):
     """The layers' depthwise convolution (mas_kernels.causal_conv, and ShiftedConv1d through
     it) against MLX's nn.Conv1d; channels not a multiple of 16 take the kernel's scalar tail."""
