@@ -16,7 +16,9 @@ namespace nb = nanobind;
 using namespace nb::literals;
 
 NB_MODULE(_ext, m) {
-  m.doc() = "Quantized (affine), bfloat16 and float32 matmul kernels, decode attention, RMS norm, RoPE, the gated delta rule, SiLU and softmax for MLX on the CPU";
+  m.doc() =
+      "Quantized (affine), bfloat16 and float32 matmul kernels, decode attention, RMS norm, "
+      "RoPE, the gated delta rule with its convolution, SiLU and softmax for MLX on the CPU";
   m.attr("mlx_version") = MAS_MLX_VERSION;
 
   m.def("affine_qmm", &mas::affine_qmm, "x"_a, "w"_a, "scales"_a, "biases"_a,
