@@ -210,6 +210,9 @@ class Op(Plain):
     dst: int = 0
     start: int = 0
     slots: bytes = b""  # int32 KV slot ids (KV ops)
+    # SNAPSHOT / DONATE of a row whose last forward sampled: the state slot also keeps the LM
+    # head's input at that position, so an exact repeat samples from it with no forward.
+    head_input: bool = False
 
 
 class ForwardBatch(Wire, tag=_tag("ForwardBatch")):
@@ -328,6 +331,9 @@ class ModelLayers(Wire, tag=_tag("ModelLayers")):
     scheduler decides from them what its prefix cache can hold, before it says Ready."""
 
     kinds: list[str]
+    # The runner keeps the LM head's input with a snapshot (Op.head_input) and samples a row
+    # from it: the model's output is its head's (nothing after it), and it has state slots.
+    head_input: bool = False
 
 
 # One union per inbox.

@@ -142,11 +142,13 @@ class Utilisation:
         self._reset(now)
 
 
-async def tell_layers(shell: Shell, kinds: list[str]) -> None:
-    """Only the runner loads the model, so only it can say what each layer keeps; the
-    scheduler waits for this before it decides its prefix cache and says Ready."""
-    shell.log.info("runner.layers", kinds=kinds)
-    await shell.send("scheduler", m.ModelLayers(kinds=kinds))
+async def tell_layers(shell: Shell, runner: ModelRunner) -> None:
+    """Only the runner loads the model, so only it can say what each layer keeps (and whether
+    snapshots keep the head's input); the scheduler waits for this before it decides its
+    prefix cache and says Ready."""
+    kinds = runner.layers.kinds
+    shell.log.info("runner.layers", kinds=kinds, head_input=runner.head_input)
+    await shell.send("scheduler", m.ModelLayers(kinds=kinds, head_input=runner.head_input))
 
 
 async def watch_steps(shell: Shell, mlx: MlxThread) -> None:
@@ -193,7 +195,7 @@ async def serve(shell: Shell) -> None:
         shell.log.warning("runner.kernels_missing", reason=installed.weights.missing,
                           fallback="jit")
     if mlx.rank == 0:
-        await tell_layers(shell, mlx.runner.layers.kinds)
+        await tell_layers(shell, mlx.runner)
     plan = installed.weights
     await shell.ready(model=shell.model.name,
                       weights=", ".join(f"{k}: {p.strategy}" for k, p in plan.kinds.items()),

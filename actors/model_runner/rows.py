@@ -12,6 +12,13 @@ Where a row is, by state:
 - `pending_load[row]`: the KV slots of its cached prefix, from a KV_LOAD op until its first
   prompt chunk builds its caches from them.
 - `prefilling[row]`: its own per-layer mlx-lm caches, while its prompt runs chunk by chunk.
+- `waiting[row]`: the same caches once its prompt was sampled on its own (nothing decoded in
+  that step), until the first step that decodes it joins them to the decode batch. A request
+  that ends there (one output token, or a stop at the first) never pays the join's copies,
+  and what an op keeps of it (its KV, its state) is read from its own caches.
+- `head_input[row]` (hybrid models): the LM head's input where the row last sampled, kept
+  with its state when an op snapshots or donates it (an exact repeat samples from it), and
+  taken back from a restored snapshot. Lazy: (the step's head input, the row's index in it).
 - `decode`: the decode batch (decode_batch.py): one batched cache per layer, a position per
   row, so a decode step is one forward of shape [positions, 1]. `decode_rows` are the rows
   that decode, in position order. A row that stopped decoding but is not released yet (it
@@ -20,7 +27,8 @@ Where a row is, by state:
 
 How a row moves, in a step's order: a KV_LOAD op (load_later) -> admit -> its first chunk
 (start_prompt) -> its last chunk (end_prompt, then join_decode: at once when its last token
-runs in this step's decode forward, after it when the prompt was sampled on its own) ->
+runs in this step's decode forward; wait_to_decode when the prompt was sampled on its own,
+joining in keep_decoding when it first decodes) ->
 keep_decoding leaves it out: parked -> release (its position becomes a hole), which forgets it
 everywhere except
 `pending_load` (the load for the row's next request may ride in the batch that releases it:
@@ -46,6 +54,8 @@ class Rows:
         self.state: dict[int, int] = {}  # row -> its live state slot
         self.pending_load: dict[int, list[int]] = {}  # row -> KV slots of its cached prefix
         self.prefilling: dict[int, list[Any]] = {}  # row -> per-layer caches, mid-prompt
+        self.waiting: dict[int, list[Any]] = {}  # row -> its caches, prompt done, not joined
+        self.head_input: dict[int, tuple[mx.array, int]] = {}  # row -> where it last sampled
         self.decode = DecodeBatch()
 
     # -- admission, release, ops ----------------------------------------------------------------
@@ -54,12 +64,15 @@ class Rows:
         """The row starts a request; state_slot < 0: it keeps no recurrent state."""
         if state_slot >= 0:
             self.state[row] = state_slot
+        self.head_input.pop(row, None)
 
     def release(self, rows: list[int]) -> None:
         """The scheduler freed these rows: drop their caches and their live state."""
         for row in rows:
             self.prefilling.pop(row, None)
+            self.waiting.pop(row, None)
             self.state.pop(row, None)
+            self.head_input.pop(row, None)
         self.decode.release(rows)
 
     def donate(self, row: int, slot: int) -> None:
@@ -82,8 +95,9 @@ class Rows:
         """The row's recurrent state now (layer -> its arrays), where its caches hold it: mid
         prompt, or decoding. None before its first chunk, and once parked (the decode forward
         runs parked positions too, so their state there is not theirs any more)."""
-        if row in self.prefilling:
-            return {i: list(self.prefilling[row][i].cache) for i in layers}
+        own = self.prefilling.get(row) or self.waiting.get(row)
+        if own is not None:
+            return {i: list(own[i].cache) for i in layers}
         if row in self.decode.decoding:
             return self.decode.states_of(row, layers)
         return None
@@ -91,8 +105,9 @@ class Rows:
     def kv_of(self, row: int) -> tuple[list[Any], int]:
         """Where a KV save reads the row's KV: (per-layer caches, the row's index in them).
         Mid-prompt rows have caches of their own; decoding and parked rows a position."""
-        if row in self.prefilling:
-            return self.prefilling[row], 0
+        own = self.prefilling.get(row) or self.waiting.get(row)
+        if own is not None:
+            return own, 0
         if row not in self.decode.where:
             raise StepError(f"KV save for row {row}, which holds no KV")
         return self.decode.kv_of(row)
@@ -122,6 +137,10 @@ class Rows:
     def join_decode(self, row: int, cache: list[Any]) -> None:
         self.decode.join(row, cache)
 
+    def wait_to_decode(self, row: int, cache: list[Any]) -> None:
+        """The row's prompt was sampled on its own: it joins the batch when it first decodes."""
+        self.waiting[row] = cache
+
     def parking(self, rows: list[int]) -> list[int]:
         """The rows that decoded and will not in a step that decodes `rows`."""
         return sorted(self.decode.decoding - set(rows))
@@ -129,6 +148,10 @@ class Rows:
     def keep_decoding(self, rows: list[int]) -> None:
         """The rows this step decodes; the others that decoded are parked. Nothing is copied:
         the decode batch keeps every position until its row is released."""
+        for row in rows:
+            cache = self.waiting.pop(row, None)
+            if cache is not None:
+                self.decode.join(row, cache)
         missing = set(rows) - self.decode.decoding
         if missing:
             raise StepError(f"rows {sorted(missing)} decode but were never prefilled")
@@ -143,6 +166,16 @@ class Rows:
             at = mx.array(list(joining))
             self.token_buf[at] = mx.array(list(joining.values()), dtype=mx.int32)
         return self.decode.inputs(self.token_buf)
+
+    def keep_head_input(self, rows: list[int], x: mx.array) -> None:
+        """x [len(rows), hidden]: the head's input of the rows that sampled, in order."""
+        for i, row in enumerate(rows):
+            self.head_input[row] = (x, i)
+
+    def head_input_of(self, row: int) -> mx.array | None:
+        """The head's input where the row last sampled ([hidden]), or None."""
+        got = self.head_input.get(row)
+        return None if got is None else got[0][got[1]]
 
     def record(self, rows: list[int], tokens: mx.array) -> None:
         """The rows sampled these tokens (lazily): their next future inputs."""

@@ -58,6 +58,9 @@ class ModelRunner:
         self.cpu = cpu.install(model, runtime, self.sampler.vocab)
         kv = KvPool(self.layers.full, kv_slots) if kv_slots else None
         states = StatePool(state_slots) if self.layers.linear and state_slots else None
+        # Hybrid models keep the head's input with a prompt's snapshot (storage.py) and sample
+        # an exact repeat from it, through the head module found here.
+        self.head = greedy_head.find_head(model) if states is not None else None
         self.pools = Pools(self.layers, kv, states)
         self.rows = Rows(max_rows)
         # MLX's CPU eval runs a graph as it is queued and returns only when a few operations
@@ -155,7 +158,7 @@ class ModelRunner:
         if self.rows.decode_rows:
             parts.append((list(self.rows.decode_rows), self._decode(joining)))
         for row, cache in done:  # they decode from the next step on
-            self.rows.join_decode(row, cache)
+            self.rows.wait_to_decode(row, cache)
         return parts
 
     def _queue(self, batch: m.ForwardBatch, parts: list[tuple[list[int], Pending]],
@@ -191,23 +194,34 @@ class ModelRunner:
         live = batch.live_index()  # None: no hole or parked row ran beside them
         return self._sample(rows, out, head_out, live)
 
+    @property
+    def head_input(self) -> bool:
+        """Whether snapshots keep the head's input (ModelLayers.head_input)."""
+        return self.head is not None
+
     def _head(self, rows: list[int]) -> AbstractContextManager[greedy_head.Captured | None]:
         """Where every row is plain greedy and the greedy head stands in for the model's LM
-        head (cpu/greedy_head.py), the forward's head only hands over its input."""
+        head (cpu/greedy_head.py), the forward's head only hands over its input; where
+        snapshots keep the head's input, the head records it and runs."""
         if self.cpu.greedy is not None and self.sampler.plain_greedy(rows):
             return greedy_head.capture()
+        if self.head is not None:
+            return greedy_head.capture(replace=False)
         return nullcontext()
 
     def _sample(self, rows: list[int], out: mx.array, got: greedy_head.Captured | None,
                 live: mx.array | None = None) -> Pending:
         """The rows' samples from a forward's output (its last position); `live` picks the
         rows that sample out of the batch."""
-        if got is not None:
+        x = None if got is None else got.hidden[:, -1, :]
+        if x is not None and live is not None:
+            x = x[live]
+        if x is not None and self.head is not None:
+            self.rows.keep_head_input(rows, x)
+        if got is not None and got.replace:
             if out is not got.placeholder:  # install() probed this; a model changed since
                 raise StepError("the model's output is not its LM head's (greedy head)")
-            x = got.hidden[:, -1, :]
-            return self.sampler.launch_tokens(rows, self.cpu.greedy.tokens(
-                x if live is None else x[live]))
+            return self.sampler.launch_tokens(rows, self.cpu.greedy.tokens(x))
         logits = out[:, -1, :]
         return self.sampler.launch(rows, logits if live is None else logits[live])
 
@@ -222,6 +236,9 @@ class ModelRunner:
         if cache is None or start == 0:
             cache = self._new_prompt_cache(row, start)
         self._check_chunk_start(row, cache, start)
+        if not ids:
+            return self._sample_kept(row, cache, done)
+        self.rows.head_input.pop(row, None)  # a restored one is not where the row ends now
         if not sample:
             self.model(mx.array(ids)[None], cache=cache)  # logits unused: never evaluated
             before_host_sync()
@@ -240,6 +257,20 @@ class ModelRunner:
         joining[row] = ids[-1]
         return None
 
+    def _sample_kept(self, row: int, cache: list[Any],
+                     done: list[tuple[int, list[Any]]]) -> Pending:
+        """A row whose whole prompt the scheduler found cached with the head's input after it
+        (an exact repeat): its first token from the head alone, no forward."""
+        x = self.rows.head_input_of(row)
+        if x is None or self.head is None:
+            raise StepError(f"row {row}: no prompt tokens to run and no head input kept "
+                            "with its state")
+        self.rows.end_prompt(row)
+        with self._head([row]) as head_out:
+            out = self.head.apply(x.reshape(1, 1, -1))
+        done.append((row, cache))  # joins the batch after this step's decode forward
+        return self._sample([row], out, head_out)
+
     def _check_chunk_start(self, row: int, cache: list[Any], start: int) -> None:
         """A chunk continues where the row's caches end. Only attention caches count
         positions: a model of recurrent layers alone has nothing to compare."""
@@ -256,7 +287,9 @@ class ModelRunner:
         if len(slots) != start:
             raise StepError(f"row {row}: prompt starts at {start} with {len(slots)} cached slots")
         cache = make_prompt_cache(self.model)
-        self.pools.restore(cache, slots, self.rows.state.get(row))
+        kept = self.pools.restore(cache, slots, self.rows.state.get(row))
+        if kept is not None:
+            self.rows.keep_head_input([row], kept[None])
         self.rows.start_prompt(row, cache)
         return cache
 

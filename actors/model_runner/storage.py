@@ -25,6 +25,7 @@ from protocol.codec import unpack_ids
 
 
 SEGMENT = 4096  # KV slots per segment of the pool
+HEAD_INPUT = -1  # a state value's key (beside the layers') for the LM head's input kept there
 
 
 class KvPool:
@@ -97,7 +98,8 @@ class Located:
 
 class StatePool:
     """Per state slot, what the scheduler keeps there: the recurrent state of every linear
-    layer (layer -> its arrays, conv window and SSM state), or nothing (zeros: a fresh start).
+    layer (layer -> its arrays, conv window and SSM state), or nothing (zeros: a fresh start);
+    at a prompt's end also the LM head's input at its last token (key HEAD_INPUT).
     A slot a row holds live is not written to: its state is the row's caches, read only when
     an op needs it (`Pools.state_of`), so a step costs nothing here.
 
@@ -146,7 +148,9 @@ class Pools:
             case m.OpKind.CLEAR:
                 self._need(self.states, "state").put(op.dst, None)
             case m.OpKind.COPY | m.OpKind.SNAPSHOT:
-                self._need(self.states, "state").put(op.dst, self.state_of(op.src, rows))
+                value = self.state_of(op.src, rows)
+                self._check_head_input(op, value)
+                self._need(self.states, "state").put(op.dst, value)
             case m.OpKind.KV_SAVE:
                 self._check_restorable("save")
                 self._save_kv(rows, op.dst, op.start, unpack_ids(op.slots))
@@ -156,11 +160,20 @@ class Pools:
             case m.OpKind.DONATE:
                 # A runner with no state pool keeps nothing (the row's slot is only a name).
                 value = None if self.states is None else self.state_of(op.src, rows)
+                self._check_head_input(op, value)
                 rows.donate(op.dst, op.src)
                 if self.states is not None:
                     self.states.put(op.src, value)
             case _:
                 raise StepError(f"unknown op kind {op.kind}")
+
+    @staticmethod
+    def _check_head_input(op: m.Op, value: dict[int, list[mx.array]] | None) -> None:
+        """The scheduler marks a node as able to sample (radix.py) from this op's flag alone:
+        the value must then have what it samples from."""
+        if op.head_input and (value is None or HEAD_INPUT not in value):
+            raise StepError(f"{op.kind.name} of state slot {op.src} keeps the head's input, "
+                            "but its row has not sampled where its state is")
 
     def _check_restorable(self, what: str) -> None:
         """A sliding-window layer keeps only its window, so the pool cannot give a prefix of
@@ -187,10 +200,11 @@ class Pools:
             keys, values = row_tokens(caches[layer], index, start, end)
             pool.save(layer, where, keys, values)
 
-    def restore(self, cache: list[Any], kv_slots: list[int], state_slot: int | None) -> None:
+    def restore(self, cache: list[Any], kv_slots: list[int],
+                state_slot: int | None) -> mx.array | None:
         """Fill a new prompt's fresh caches: the cached prefix's KV from the KV slots (if the
         scheduler found a prefix) and the recurrent state from the row's state slot (cleared
-        or copied by this step's ops)."""
+        or copied by this step's ops). Returns the head's input the state kept, if any."""
         if kv_slots:
             pool = self._need(self.kv, "KV")
             where = pool.locate(kv_slots)
@@ -204,6 +218,9 @@ class Pools:
             value = self.states.take(state_slot)
             for layer in self.layers.linear if value else ():
                 cache[layer].cache = list(value[layer])
+            if value and HEAD_INPUT in value:
+                return value[HEAD_INPUT][0]
+        return None
 
     def state_of(self, slot: int, rows: Rows) -> dict[int, list[mx.array | None]] | None:
         """What the slot holds now: for a slot a row holds live, the row's state after the
@@ -216,6 +233,9 @@ class Pools:
 
     def _live(self, row: int, rows: Rows) -> dict[int, list[mx.array | None]] | None:
         got = rows.live_states(row, self.layers.linear)
+        head_input = None if got is None else rows.head_input_of(row)
+        if head_input is not None:
+            got[HEAD_INPUT] = [head_input]
         if got is not None:
             self.states.fresh += [a for parts in got.values() for a in parts if a is not None]
         return got

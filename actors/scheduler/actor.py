@@ -32,9 +32,9 @@ class SchedulerActor:
         self.was_idle = True
         self.admitted_tokens = self.interval_hits = 0
 
-    def _build_core(self, kinds: list[str]) -> Scheduler:
+    def _build_core(self, layers: m.ModelLayers) -> Scheduler:
         cfg, model = self.shell.cfg, self.shell.model
-        plan = plan_prefix(kinds, cfg.cache.prefix)
+        plan = plan_prefix(layers.kinds, cfg.cache.prefix)
         if plan.blocked and cfg.cache.prefix:
             self.log.warning("cache.prefix_off", layers=plan.blocked, reason=plan.reason)
         return Scheduler(max_running=cfg.scheduler.max_running_requests,
@@ -45,9 +45,9 @@ class SchedulerActor:
                          snapshot_interval=cfg.cache.snapshot_interval,
                          max_queued=cfg.scheduler.max_queued_requests,
                          output_reserve=cfg.scheduler.output_reserve_tokens,
-                         decode=load_decoder(model.path))
+                         decode=load_decoder(model.path), head_input=layers.head_input)
 
-    async def _await_layers(self) -> tuple[list[str], list] | None:
+    async def _await_layers(self) -> tuple[m.ModelLayers, list] | None:
         """The runner's ModelLayers, and every message that came before it (kept, in order,
         to be handled once the core exists); None if told to shut down first."""
         timeout = self.shell.cfg.launch.ready_timeout_s
@@ -57,7 +57,7 @@ class SchedulerActor:
             for i, msg in enumerate(msgs):
                 match msg:
                     case m.ModelLayers():
-                        return msg.kinds, early + msgs[i + 1:]
+                        return msg, early + msgs[i + 1:]
                     case m.Shutdown():
                         return None  # the runner never loaded: nothing here to drain
                     case _:
@@ -69,8 +69,8 @@ class SchedulerActor:
         got = await self._await_layers()
         if got is None:
             return
-        kinds, msgs = got
-        self.core = self._build_core(kinds)
+        layers, msgs = got
+        self.core = self._build_core(layers)
         self.stats_at, self.last_stats = time.monotonic(), self.core.memory.stats()
         mem = self.core.memory
         self.log.info("scheduler.config", overlap=self.depth == 2, kv_slots=mem.slots.capacity,
@@ -97,6 +97,8 @@ class SchedulerActor:
                     case m.StepResult():
                         if msg.error:
                             self.log.error("step.failed", step=msg.step, error=msg.error)
+                        self.log.debug("step.done", step=msg.step, rows=len(msg.rows),
+                                       forward_s=round(msg.forward_s, 5))
                         out.merge(self.core.on_result(msg))
                     case m.Shutdown():
                         return

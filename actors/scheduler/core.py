@@ -32,11 +32,13 @@ class Scheduler:
                  chunked_prefill_size: int = 512, kv_slots: int = 1 << 20,
                  max_queued: int = 1 << 16, output_reserve: int = 64, state_slots: int = 0,
                  prefix_cache: bool = False, snapshot_interval: int = 0,
-                 decode: Callable[[list[int]], str] | None = None, share_groups: bool = True):
+                 decode: Callable[[list[int]], str] | None = None, share_groups: bool = True,
+                 head_input: bool = False):
         self.rows = RowPool(max_running)
         # share_groups False (a model whose layers the tree cannot restore, prefix_plan.py): the
         # choices of a group prefill on their own, and nothing goes through the tree.
-        self.memory = Memory(kv_slots, state_slots, prefix_cache, share_groups, snapshot_interval)
+        self.memory = Memory(kv_slots, state_slots, prefix_cache, share_groups, snapshot_interval,
+                             head_input)
         self.slots = self.memory.slots
         self.chunk = chunked_prefill_size
         self.context_length = context_length
@@ -97,6 +99,7 @@ class Scheduler:
             self._settle(req)
         step = BatchBuilder()
         for req in self._decodable():
+            self.memory.cache_prompt(req, req.row)
             req.slots += self.slots.alloc(1)
             step.decode(req)
             req.kv_len += 1
@@ -170,6 +173,10 @@ class Scheduler:
         return req
 
     def _prefill_chunk(self, req: Request, budget: int, step: BatchBuilder) -> int:
+        if not req.prefilling:  # admitted with its whole fill cached: it only samples
+            step.prefill(req, [], req.filled, True)
+            req.sampled += 1
+            return 0
         n = min(len(req.fill) - req.filled, budget)
         end = next((e for e in req.chunk_ends if e > req.filled), 0)
         if end:

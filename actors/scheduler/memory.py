@@ -4,6 +4,12 @@ deferred ops (ops.py) that tell the runner what to do with its own memory (DESIG
 What a request holds:
 - `slots[:tree_len]` belong to the tree (locked through `req.lock`), `slots[tree_len:]` are its
   own; `state` (hybrid models) is its live recurrent-state slot.
+
+Exact repeats of a hybrid prompt (`head_input`, where the runner supports it): the state after
+a prompt is cached with the LM head's input at its last token (ModelLayers.head_input), so a
+repeat, a retry or a later choice of `n` takes the whole prompt from the tree and only samples
+(the head, no forward); elsewhere a hit leaves the prompt's last token to compute, for its
+logits.
 """
 
 from __future__ import annotations
@@ -19,13 +25,15 @@ from protocol.messages import OpKind
 
 class Memory:
     def __init__(self, kv_slots: int, state_slots: int = 0, prefix: bool = False,
-                 share_groups: bool = True, snapshot_interval: int = 0):
+                 share_groups: bool = True, snapshot_interval: int = 0,
+                 head_input: bool = False):
         self.slots = SlotPool(kv_slots)
         self.states = SlotPool(state_slots) if state_slots else None
         # Hybrid models resume a prefix only where a state snapshot was taken, and snapshots
         # are taken where chunks end: with the prefix cache on, chunks also end at multiples
         # of this interval.
         self.snapshot_interval = snapshot_interval if state_slots and prefix else 0
+        self.head_input = head_input and bool(state_slots)
         # Without the prefix cache the tree still carries a group's shared prompt (n > 1) from
         # the sibling that computed it to the others, and is emptied when they let go of it.
         # share_groups False (layers the tree cannot restore): no tree, no KV op at all.
@@ -75,14 +83,15 @@ class Memory:
         models keep every position's KV in the tree anyway: only n > 1 siblings need the cut
         before the prompt's last token, so they compute one token each. A hybrid model
         resumes only at a state snapshot, taken where a chunk ends: there too (an exact
-        repeat, a retry, a later n), where the prompt leaves what the tree holds (a shared
-        system prompt snapshotted short of its end: the next one resumes there), and at every
-        multiple of snapshot_interval."""
+        repeat, a retry, a later n; not needed where the prompt's end is cached with the
+        head's input), where the prompt leaves what the tree holds (a shared system prompt
+        snapshotted short of its end: the next one resumes there), and at every multiple of
+        snapshot_interval."""
         if match is None or not (req.group or self.states is not None):
             return []
-        ends = {len(req.fill) - 1}
-        if self.states is not None:
-            ends.add(match.reach)
+        ends = set() if self.head_input else {len(req.fill) - 1}
+        if self.states is not None and match.reach < len(req.fill) - 1:
+            ends.add(match.reach)  # (at len - 1 only because the match left the last token out)
         if self.snapshot_interval:
             ends.update(range(self.snapshot_interval, len(req.fill), self.snapshot_interval))
         return sorted(end for end in ends if end > match.length)
@@ -91,9 +100,17 @@ class Memory:
         return self.tree is not None and (self.prefix or bool(req.group))
 
     def _lock_match(self, req: Request) -> Match | None:
+        """The whole fill where it is cached with the head's input; else the longest usable
+        prefix short of the last token, which is computed for its logits."""
         if not self._uses_tree(req):
             return None
-        match = self.tree.match(req.fill[:-1], need_state=self.states is not None)
+        match = None
+        if self.head_input:
+            match = self.tree.match(req.fill, need_state=True)
+            if match.length < len(req.fill) or not match.node.head_input:
+                match = None
+        if match is None:
+            match = self.tree.match(req.fill[:-1], need_state=self.states is not None)
         self.tree.lock(match.node)  # before evicting: the match must survive it
         return match
 
@@ -115,13 +132,21 @@ class Memory:
 
     # -- caching prefixes --------------------------------------------------------------------
 
+    def cache_prompt(self, req: Request, row: int) -> None:
+        """Before a request's first decode row is built: its whole fill ran in built steps
+        (the last chunk sampled), so the state after it and the head's input at its last
+        token are cached for an exact repeat."""
+        if self.head_input and req.kv_len == len(req.fill):
+            self.cache_prefix(req, row, len(req.fill), OpKind.SNAPSHOT, head_input=True)
+
     def cache_prefix(self, req: Request, row: int, n: int,
-                     state_op: OpKind | None = OpKind.SNAPSHOT) -> None:
+                     state_op: OpKind | None = OpKind.SNAPSHOT, head_input: bool = False) -> None:
         """Hand the first n tokens' KV (and, hybrid, the state after them) to the tree.
         SNAPSHOT (a chunk boundary: the live state is after exactly n tokens when the next
         chunk's batch starts) copies the live state into a new slot; DONATE (the request ended
         after exactly n tokens) gives the live slot itself, no copy; None caches no state.
-        KV is saved only where the tree kept our slots."""
+        head_input: the row's last forward ran position n - 1 and sampled after it, and the
+        state keeps the head's input there. KV is saved only where the tree kept our slots."""
         if not self._uses_tree(req) or n <= req.tree_len:
             return
         seq = (req.prompt + req.output)[:n]
@@ -130,7 +155,7 @@ class Memory:
             state = req.state
         elif self.states is not None and state_op is OpKind.SNAPSHOT and self._state_room():
             state = self.states.alloc(1)[0]
-        node = self.tree.insert(seq, req.slots[:n], state=state)
+        node = self.tree.insert(seq, req.slots[:n], state=state, head_input=head_input)
         kept = self.tree.path_slots(node)
         start = req.tree_len
         while start < n:  # one save per run of positions whose slots the tree took from us
@@ -145,11 +170,11 @@ class Memory:
             start = end
         req.slots[:n] = kept
         if state is not None and state_op is OpKind.SNAPSHOT and node.state == state:
-            self.ops.snapshot(req.state, state)
+            self.ops.snapshot(req.state, state, head_input)
         if state is not None and state_op is OpKind.DONATE:
             # The tree kept it, or freed it because it had one already: either way the row
             # no longer owns it.
-            self.ops.donate(row, state)
+            self.ops.donate(row, state, head_input)
             req.state = -1
         self.tree.lock(node)
         if req.lock is not None:
@@ -166,7 +191,10 @@ class Memory:
         # (which has seen that token) is donated only if it matches them exactly.
         known = min(req.kv_len, len(req.prompt) + len(req.output))
         if keep and known:
-            self.cache_prefix(req, row, known, OpKind.DONATE if known == req.kv_len else None)
+            # Past its prompt every forward of the row sampled: its last one kept the head's
+            # input at position known - 1.
+            self.cache_prefix(req, row, known, OpKind.DONATE if known == req.kv_len else None,
+                              head_input=self.head_input and not req.prefilling)
         own = req.slots[req.tree_len:]  # tree_len is 0 without the prefix cache
         if own:
             self.slots.free(own)

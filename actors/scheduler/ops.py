@@ -29,13 +29,14 @@ class OpQueue:
         """A prefix hit starts from the node's snapshot; the node keeps it."""
         self._ops.append(m.Op(kind=Kind.COPY, src=src, dst=dst))
 
-    def snapshot(self, live: int, node_slot: int) -> None:
-        """At a chunk boundary, the live state is kept for the radix node just inserted."""
-        self._ops.append(m.Op(kind=Kind.SNAPSHOT, src=live, dst=node_slot))
+    def snapshot(self, live: int, node_slot: int, head_input: bool = False) -> None:
+        """At a chunk boundary, the live state is kept for the radix node just inserted (with
+        the LM head's input at the last position, where the row sampled there)."""
+        self._ops.append(m.Op(kind=Kind.SNAPSHOT, src=live, dst=node_slot, head_input=head_input))
 
-    def donate(self, row: int, live: int) -> None:
+    def donate(self, row: int, live: int, head_input: bool = False) -> None:
         """A request ended exactly at a cached prefix: its live slot becomes the node's, no copy."""
-        self._ops.append(m.Op(kind=Kind.DONATE, src=live, dst=row))
+        self._ops.append(m.Op(kind=Kind.DONATE, src=live, dst=row, head_input=head_input))
 
     def kv_save(self, row: int, start: int, slots: list[int]) -> None:
         """The row's KV at positions [start, start + len(slots)) goes to those pool slots."""

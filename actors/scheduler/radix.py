@@ -4,6 +4,8 @@ prefix reuses those slots instead of recomputing them. Pure data: no arrays, no 
 Token granular: a node's `key` (tokens) and `slots` (one KV slot per token) are aligned lists.
 For hybrid models a node may also hold `state`: the recurrent-state slot after its last token.
 A prefix is only resumable by a hybrid model where such a snapshot exists (match need_state).
+`head_input`: that slot also keeps the LM head's input at the node's last token (a prompt's
+end), so a request whose whole fill ends there samples its next token with no forward.
 
 Locks count along the path: lock(node) adds one to node and every ancestor up to the root, so
 node.lock == locks held on node's subtree, and lock == 0 means the whole subtree is evictable.
@@ -25,13 +27,15 @@ from actors.scheduler.pools import SlotPool
 
 
 class Node:
-    __slots__ = ("key", "slots", "children", "parent", "lock", "state", "stamp", "seq")
+    __slots__ = ("key", "slots", "children", "parent", "lock", "state", "head_input", "stamp",
+                 "seq")
 
     def __init__(self, key: list[int], slots: list[int], parent: Node | None, stamp: int, seq: int):
         self.key, self.slots, self.parent = key, slots, parent
         self.children: dict[int, Node] = {}  # keyed by the child's first token
         self.lock = 0
         self.state: int | None = None
+        self.head_input = False  # state also keeps the LM head's input at the last token
         self.stamp = stamp  # logical LRU clock of the last match/insert through this node
         self.seq = seq  # creation order: a unique tie-break in the eviction heap
 
@@ -94,11 +98,13 @@ class RadixCache:
         slots = [s for n in path[1:best_len] for s in n.slots]
         return Match(best, best_i, slots, best.state, i + edge)
 
-    def insert(self, tokens: Sequence[int], slots: Sequence[int], state: int | None = None) -> Node:
+    def insert(self, tokens: Sequence[int], slots: Sequence[int], state: int | None = None,
+               head_input: bool = False) -> Node:
         """Cache tokens[i] -> slots[i]; the tree takes ownership of every slot passed. Where a
         token is already cached the tree keeps its slot and frees the caller's, unless they are
         the same id (a caller passing back slots it got from match). Returns the node ending
-        exactly at len(tokens); a given state goes there, or back to its pool if one is there."""
+        exactly at len(tokens); a given state goes there, or back to its pool if the node has
+        one already (unless only the given one keeps the head's input: then it replaces it)."""
         tokens, slots = list(tokens), list(slots)
         assert len(tokens) == len(slots), f"{len(tokens)} tokens, {len(slots)} slots"
         self._clock += 1
@@ -122,10 +128,14 @@ class RadixCache:
         if dup:
             self.kv.free(dup)
         if state is not None:
-            if node.state is None and node is not self.root:
-                node.state = state
-            else:  # the tree keeps one; the empty prefix needs none (its state is a clear)
+            if node is self.root or (node.state is not None
+                                     and (node.head_input or not head_input)):
+                # The tree keeps its own; the empty prefix needs none (its state is a clear).
                 self._states().free([state])
+            else:
+                if node.state is not None:
+                    self._states().free([node.state])
+                node.state, node.head_input = state, head_input
         return node
 
     def path_slots(self, node: Node) -> list[int]:
@@ -181,7 +191,7 @@ class RadixCache:
         victims = [x for _, _, x in held[:max(n, 0)]]
         for x in victims:
             self._states().free([x.state])
-            x.state = None
+            x.state, x.head_input = None, False
         return len(victims)
 
     # -- internals ---------------------------------------------------------------------------
@@ -200,7 +210,7 @@ class RadixCache:
         self.kv.free(leaf.slots)
         if leaf.state is not None:
             self._states().free([leaf.state])
-            leaf.state = None
+            leaf.state, leaf.head_input = None, False
         del leaf.parent.children[leaf.key[0]]
         self._cached -= len(leaf.slots)
         self._evictable -= len(leaf.slots)
@@ -238,6 +248,7 @@ class RadixCache:
             for s in node.slots:
                 assert s not in seen_slots, f"slot {s} held twice"
                 seen_slots.add(s)
+            assert node.state is not None or not node.head_input, "head input without a state"
             if node.state is not None:
                 assert node.state not in seen_states, f"state {node.state} held twice"
                 seen_states.add(node.state)

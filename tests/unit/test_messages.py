@@ -81,7 +81,9 @@ def test_inbox_decoder_rejects_messages_of_other_inboxes():
 def test_golden_bytes_pin_the_wire_format():
     # Field order is the wire format: appending fields with defaults keeps these decodable.
     assert encode(m.Abort(rid="r")) == b"\x92\x0b\xa1r"
-    assert encode(m.ModelLayers(kinds=["full"])) == b"\x92\x13\x91\xa4full"
+    before_head_input = b"\x92\x13\x91\xa4full"
+    assert encode(m.ModelLayers(kinds=["full"])) == b"\x93" + before_head_input[1:] + b"\xc2"
+    assert decoder(m.SchedulerInbox).decode(before_head_input) == m.ModelLayers(kinds=["full"])
     before_logprobs = b"\x96\x0d\x01\x91\x02\x91\x03\xcb" + bytes(8) + b"\xa0"
     assert encode(m.StepResult(step=1, rows=[2], tokens=[3])) == \
         b"\x99" + before_logprobs[1:] + b"\x90\x90\x90"

@@ -401,3 +401,27 @@ def _nodes(node):
     yield node
     for child in node.children.values():
         yield from _nodes(child)
+
+
+def test_a_state_with_the_head_input_replaces_one_without_and_not_the_other_way():
+    cache = make_cache(states=8)
+    tokens = [1, 2, 3, 4]
+    node, _, plain = put(cache, tokens, state=True)
+    assert node.state == plain and not node.head_input
+    # The same prompt ends again, its state keeping the head's input: the node takes it.
+    keeps = cache.states.alloc(1)[0]
+    again = cache.insert(tokens, cache.path_slots(node), keeps, head_input=True)
+    assert again is node and node.state == keeps and node.head_input
+    assert plain not in cache.states.owned  # the plain snapshot went back to its pool
+    # A later plain snapshot or a second one with the head input goes back instead.
+    for head_input in (False, True):
+        extra = cache.states.alloc(1)[0]
+        cache.insert(tokens, cache.path_slots(node), extra, head_input=head_input)
+        assert node.state == keeps and extra not in cache.states.owned
+    cache.check()
+    # A split keeps the state (and the head input) with the lower half, where it belongs.
+    put(cache, [1, 2, 9])
+    assert node.key == [3, 4] and node.head_input and not node.parent.head_input
+    cache.evict_states(1)
+    assert node.state is None and not node.head_input
+    cache.check()

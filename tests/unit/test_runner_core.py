@@ -5,15 +5,17 @@ for the dense (qwen3) and the hybrid (qwen3_5) model."""
 
 import pytest
 
-from actors.model_runner.cpu import fastmath
+from actors.model_runner.cpu import fastmath, greedy_head
 from models.builtin import ensure_builtin
 from actors.model_runner.loading import load_model
 from models.info import read_model_info
 from actors.model_runner.rows import StepError
 from actors.model_runner.runner import ModelRunner
+from actors.model_runner.storage import HEAD_INPUT
 from actors.scheduler.core import Scheduler
 from protocol import messages as m
 from protocol.codec import pack_ids
+from protocol.config import RuntimeConfig
 from tests.e2e.oracle import Oracle
 from tests.unit.drive import drive
 
@@ -29,15 +31,20 @@ def setup(request, model_cache):
 
 
 def run(path, info, arrivals, max_rows=3, depth=1, kv_slots=1 << 16, chunk=16, reserve=64,
-        prefix=False):
+        prefix=False, head_input=True, runtime=RuntimeConfig()):
     """arrivals: step -> [(rid, ids, max_new)]. depth 2 plays the overlap loop: step N+1 is
-    built before step N's result is processed. Returns (rid -> tokens, scheduler)."""
+    built before step N's result is processed. head_input: where the runner supports it (a
+    hybrid model), as the actors agree on it (ModelLayers.head_input). Returns (rid -> tokens,
+    scheduler); the scheduler keeps the batches sent (`batches`)."""
     states = 4 * max_rows if info.state_layers else 0
+    runner = ModelRunner(load_model(path), max_rows, kv_slots=kv_slots, state_slots=states,
+                         runtime=runtime)
     sched = Scheduler(max_running=max_rows, chunked_prefill_size=chunk, kv_slots=kv_slots,
                       context_length=info.context_length, eos_ids=info.eos_ids,
-                      output_reserve=reserve, prefix_cache=prefix, state_slots=states)
-    runner = ModelRunner(load_model(path), max_rows, kv_slots=kv_slots, state_slots=states)
-    tokens, sched.finished, _ = drive(sched, runner, arrivals, depth, ticks=2000)
+                      output_reserve=reserve, prefix_cache=prefix, state_slots=states,
+                      head_input=head_input and runner.head_input)
+    assert runner.head_input == bool(info.state_layers)  # qwen3_5's head: nothing after it
+    tokens, sched.finished, sched.batches = drive(sched, runner, arrivals, depth, ticks=2000)
     return tokens, sched
 
 
@@ -139,11 +146,16 @@ def test_a_row_donates_only_the_state_slot_it_owns(setup):
         runner.step(ops_batch(4, m.Op(kind=m.OpKind.DONATE, src=2, dst=1)))
 
 
-def test_prefix_cache_hits_keep_tokens_identical(setup):
+@pytest.mark.parametrize("head_input", [True, False], ids=["head-input", "last-token"])
+def test_prefix_cache_hits_keep_tokens_identical(setup, head_input):
     """Same prompt twice, a shared system prompt with different user turns, a multi-turn chat
     that appends to the last turn, concurrent requests sharing a prefix; overlap on, prompts
-    chunked so prefixes are also cached at chunk boundaries (hybrid: with state snapshots)."""
+    chunked so prefixes are also cached at chunk boundaries (hybrid: with state snapshots;
+    an exact repeat sampled from the head input kept at the prompt's end, or running the
+    prompt's last token again)."""
     path, oracle, info = setup
+    if head_input and not info.state_layers:
+        pytest.skip("a dense model's hits run the prompt's last token")
     enc = oracle.tokenizer.encode
     system = enc("You are a helpful assistant. " * 6)
     turn1 = system + enc(" User: hello there")
@@ -155,10 +167,12 @@ def test_prefix_cache_hits_keep_tokens_identical(setup):
              ("turn1", turn1, 6)],
         30: [("turn2", turn2, 6), ("c1", system + enc(" alpha"), 5), ("c2", system + enc(" beta"), 5)],
     }
-    got, sched = run(path, info, arrivals, depth=2, prefix=True, chunk=16)
+    got, sched = run(path, info, arrivals, depth=2, prefix=True, chunk=16, head_input=head_input)
     _check_all(oracle, arrivals, got)
     cached = {rid: f.cached_tokens for rid, f in sched.finished.items()}
     assert cached["same1"] == 0 and cached["same2"] > 0
+    same = len(enc("The quick brown fox " * 5))
+    assert cached["same2"] == (same if info.state_layers and head_input else same - 1)
     assert cached["sys-b"] >= 16 and cached["turn2"] > len(turn1) - 16
     assert sched.memory.hits >= 4
 
@@ -235,8 +249,9 @@ def _step(runner, step, rows=(), prompts=None, ops=(), admit=None, start=None):
 
 def test_state_slots_hold_what_ops_keep_and_nothing_else(setup, model_cache):
     """No step writes a live state anywhere; a snapshot of a decoding row is its state after
-    the tokens it ran (mlx-lm's own cache, run over them sequentially, is the reference); a row
-    that parks keeps that state while the forward runs its position for others."""
+    the tokens it ran (mlx-lm's own cache, run over them sequentially, is the reference) and
+    the LM head's input at the last of them (where an exact repeat samples from); a row that
+    parks keeps both while the forward runs its position for others."""
     path, oracle, info = setup
     if not info.state_layers:
         pytest.skip("a dense model has no recurrent state")
@@ -255,15 +270,20 @@ def test_state_slots_hold_what_ops_keep_and_nothing_else(setup, model_cache):
 
     def reference(tokens):
         cache = make_prompt_cache(model)
-        model(mx.array(tokens)[None], cache=cache)
-        return {i: cache[i].cache for i in runner.layers.linear}
+        with greedy_head.capture(replace=False) as head_in:
+            model(mx.array(tokens)[None], cache=cache)
+        return {**{i: cache[i].cache for i in runner.layers.linear},
+                HEAD_INPUT: [head_in.hidden[0, -1]]}
 
     def assert_close(got, want):
         assert set(got) == set(want)
         for i in want:
             for a, b in zip(got[i], want[i]):
                 assert a.shape == b.shape
-                assert mx.allclose(a, b, atol=1e-4, rtol=1e-4).item(), f"layer {i}"
+                # Within 1e-4 of the array's scale (the head input's is ~100, its order of
+                # sums not the reference's).
+                err, scale = mx.abs(a - b).max().item(), mx.abs(b).max().item()
+                assert err <= 1e-4 * (1 + scale), (i, err, scale)
 
     ran = p + out[:-1]  # the last sample has not run yet
     # Row 1 does not decode from here on: it parks.
@@ -317,3 +337,30 @@ def test_on_the_cpu_a_step_is_sent_before_the_next_one_is_queued(setup):
     pipe.flush()
     assert calls == [("queued", 1), ("sent", 1), ("queued", 2), ("sent", 2), ("queued", 3),
                      ("sent", 3)]
+
+
+@pytest.mark.parametrize("greedy_head", [True, False], ids=["greedy-head", "full-head"])
+@pytest.mark.parametrize("depth", [1, 2], ids=["plain", "overlap"])
+def test_exact_repeats_sample_from_the_head_input_kept_with_the_prompt(setup, depth,
+                                                                        greedy_head):
+    """Hybrid: a prompt's end is cached with the LM head's input there, so a repeat (of one
+    that ended at its first token, and of one that decoded on) is admitted with its whole
+    prompt cached and only samples, a row with no input token; through the greedy head and
+    through the model's own head, beside other rows decoding, the tokens stay mlx-lm's."""
+    path, oracle, info = setup
+    if not info.state_layers:
+        pytest.skip("a dense model's hits run the prompt's last token")
+    ids = [oracle.tokenizer.encode(p) for p in PROMPTS]
+    arrivals = {0: [("once", ids[2], 1), ("on", ids[0], 8)],
+                12: [("once-again", ids[2], 6), ("on-again", ids[0], 5), ("other", ids[1], 9)],
+                14: [("again-beside", ids[2], 4)]}
+    got, sched = run(path, info, arrivals, depth=depth, prefix=True,
+                     runtime=RuntimeConfig(greedy_head=greedy_head))
+    _check_all(oracle, arrivals, got)
+    cached = {rid: f.cached_tokens for rid, f in sched.finished.items()}
+    for rid, prompt in (("once-again", ids[2]), ("on-again", ids[0]),
+                        ("again-beside", ids[2])):
+        assert cached[rid] == len(prompt), rid
+    sampled_only = sum(n == 0 and not f for b in sched.batches
+                       for n, f in zip(b.input_lens, b.future))
+    assert sampled_only == 3

@@ -9,10 +9,10 @@ EOS = 99
 P = m.SamplingParams
 
 
-def make(chunk=4, kv=256, states=8, interval=0):
+def make(chunk=4, kv=256, states=8, interval=0, head_input=False):
     return Scheduler(max_running=4, context_length=128, eos_ids=[EOS], chunked_prefill_size=chunk,
                      kv_slots=kv, state_slots=states, prefix_cache=True,
-                     snapshot_interval=interval)
+                     snapshot_interval=interval, head_input=head_input)
 
 
 def kinds(batch):
@@ -207,4 +207,85 @@ def test_hybrid_chunks_end_at_every_snapshot_interval_and_before_the_last_token(
         finish(s, batch)
     # Cuts at 8 and 16 (the interval) and 19 (the prompt's last token runs alone).
     assert chunks == [(0, 8), (8, 8), (16, 3), (19, 1)]
+    assert not any(s.leaks().values())
+
+
+# -- the head's input kept at a prompt's end (runner: ModelLayers.head_input) ------------------
+
+
+def test_an_exact_repeat_takes_the_whole_prompt_and_only_samples():
+    s = make(chunk=64, head_input=True)
+    prompt = list(range(1, 11))
+    s.add("a", prompt, P(max_new_tokens=1))
+    b = s.schedule()
+    live = b.admit_states[0]
+    assert b.input_lens == [10] and b.sample == [True]  # no cut before the last token
+    finish(s, b, token=7)
+    release = s.schedule()
+    # It ended after its prompt: the state donated there keeps the head's input too.
+    assert kinds(release) == [m.OpKind.KV_SAVE, m.OpKind.DONATE]
+    assert release.ops[1].head_input and release.ops[1].src == live
+    node = s.memory.tree.match(prompt, need_state=True).node
+    assert node.state == live and node.head_input
+    finish(s, release)
+    s.add("b", prompt, P(max_new_tokens=3))
+    hit = s.schedule()
+    assert kinds(hit) == [m.OpKind.KV_LOAD, m.OpKind.COPY] and hit.ops[1].src == live
+    assert len(unpack_ids(hit.ops[0].slots)) == 10
+    # Its row runs no token: the runner samples from the head input the COPY brought.
+    assert (hit.input_lens, hit.start_pos, hit.future, hit.sample) == ([0], [10], [False], [True])
+    nxt = s.schedule()  # its first decode: its prompt's end is in the tree already
+    assert nxt.future == [True] and nxt.start_pos == [10] and kinds(nxt) == []
+    ended = [f for out in (finish(s, hit, token=5), finish(s, nxt, token=EOS))
+             for f in out.finished]
+    assert [(f.rid, f.cached_tokens) for f in ended] == [("b", 10)]
+    run_to_idle(s)
+    assert not any(s.leaks().values())
+    s.memory.tree.check()
+
+
+def test_a_prompt_that_decodes_on_is_snapshotted_at_its_end_with_the_head_input():
+    s = make(chunk=64, head_input=True)
+    prompt = list(range(1, 11))
+    s.add("a", prompt, P(max_new_tokens=4))
+    b = s.schedule()
+    live = b.admit_states[0]
+    first_decode = s.schedule()
+    assert kinds(first_decode) == [m.OpKind.KV_SAVE, m.OpKind.SNAPSHOT]
+    save, snap = first_decode.ops
+    assert save.start == 0 and len(unpack_ids(save.slots)) == 10
+    assert snap.src == live and snap.head_input and snap.dst != live
+    node = s.memory.tree.match(prompt, need_state=True).node
+    assert node.state == snap.dst and node.head_input
+    finish(s, b, token=5)
+    finish(s, first_decode, token=6)
+    second_decode = s.schedule()
+    assert kinds(second_decode) == []  # once per prompt
+    finish(s, second_decode, token=EOS)
+    run_to_idle(s)
+    # A later request with the same prompt resumes from that snapshot and only samples.
+    s.add("b", prompt, P(max_new_tokens=1))
+    hit = s.schedule()
+    assert hit.input_lens == [0] and hit.ops[-1].src == snap.dst
+    finish(s, hit)
+    run_to_idle(s)
+    assert not any(s.leaks().values())
+
+
+def test_a_snapshot_without_the_head_input_is_no_whole_prompt_hit():
+    s = make(chunk=8, head_input=True)
+    s.add("a", list(range(1, 17)), P(max_new_tokens=1))
+    run_to_idle(s)  # chunks of 8: the state after 8 tokens is snapshotted, no head input
+    node = s.memory.tree.match(list(range(1, 9)), need_state=True).node
+    assert node.state is not None and not node.head_input
+    s.add("b", list(range(1, 9)), P(max_new_tokens=1))  # exactly those 8 tokens
+    b = s.schedule()
+    # It cannot sample there, and nothing short of its last token is snapshotted: it runs.
+    assert b.start_pos == [0] and b.input_lens == [8]
+    finish(s, b)
+    run_to_idle(s)
+    # Its own end now keeps the head input, replacing the plain snapshot.
+    node = s.memory.tree.match(list(range(1, 9)), need_state=True).node
+    assert node.head_input
+    s.memory.tree.check()
     assert not any(s.leaks().values())

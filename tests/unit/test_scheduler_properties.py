@@ -44,7 +44,8 @@ class FakeRunner:
     token at that position), and for hybrid models a state pool by slot (a digest of every
     token seen), written through after each step. Sampling reads the KV sequence, and in
     hybrid mode must agree with the state, so a wrong load, save, copy, snapshot or clear
-    changes the tokens."""
+    changes the tokens. The head's input kept with a state (Op.head_input) is the digest where
+    the row last sampled; a row with no token to run samples from the one its state kept."""
 
     def __init__(self, hybrid: bool):
         self.hybrid = hybrid
@@ -54,25 +55,45 @@ class FakeRunner:
         self.states: dict[int, int] = {}
         self.row_state: dict[int, int] = {}
         self.pending: dict[int, list[int]] = {}
+        self.head: dict[int, int] = {}  # row -> digest of its sequence where it last sampled
+        self.kept_head: dict[int, int] = {}  # state slot -> the head input kept with it
+        self.sampled_only = 0  # rows that ran no token and sampled from a kept head input
+
+    def _keep_head(self, op: m.Op, row: int, slot: int) -> None:
+        self.kept_head.pop(slot, None)
+        if op.head_input:
+            assert self.head.get(row) == self.states[op.src], "head input kept where the row " \
+                "did not sample"
+            self.kept_head[slot] = self.head[row]
 
     def step(self, batch: m.ForwardBatch) -> m.StepResult:
         for op in batch.ops:
             if op.kind == m.OpKind.CLEAR:
                 self.states[op.dst] = 0
-            elif op.kind in (m.OpKind.COPY, m.OpKind.SNAPSHOT):
+                self.kept_head.pop(op.dst, None)
+            elif op.kind == m.OpKind.COPY:
                 self.states[op.dst] = self.states[op.src]
+                self.kept_head.pop(op.dst, None)
+                if op.src in self.kept_head:
+                    self.kept_head[op.dst] = self.kept_head[op.src]
+            elif op.kind == m.OpKind.SNAPSHOT:
+                self.states[op.dst] = self.states[op.src]
+                row = next(r for r, slot in self.row_state.items() if slot == op.src)
+                self._keep_head(op, row, op.dst)
             elif op.kind == m.OpKind.KV_SAVE:
                 for i, slot in enumerate(unpack_ids(op.slots)):
                     self.kv[slot] = self.seq[op.dst][op.start + i]
             elif op.kind == m.OpKind.KV_LOAD:
                 self.pending[op.dst] = unpack_ids(op.slots)
             elif op.kind == m.OpKind.DONATE:
+                self._keep_head(op, op.dst, op.src)
                 assert self.row_state.pop(op.dst) == op.src, "donated a state the row does not own"
         for row in batch.release_rows:
-            for d in (self.seq, self.buf, self.row_state):
+            for d in (self.seq, self.buf, self.row_state, self.head):
                 d.pop(row, None)
         for row, state in zip(batch.admit_rows, batch.admit_states):
             self.row_state[row] = state
+            self.head.pop(row, None)
         ids, at, out_rows, tokens = unpack_ids(batch.input_ids), 0, [], []
         for row, n, start, fut, smp in zip(batch.rows, batch.input_lens, batch.start_pos,
                                            batch.future, batch.sample):
@@ -90,7 +111,14 @@ class FakeRunner:
                 for tok in chunk:
                     self.states[slot] = hash((self.states[slot], tok)) & 0xFFFFFFFF
                 assert self.states[slot] == digest(self.seq[row]), f"row {row}: state drifted"
+            if not fut and not n:  # nothing to run: samples from the head input kept
+                kept = self.kept_head.get(self.row_state.get(row))
+                assert kept == digest(self.seq[row]), f"row {row}: no head input to sample"
+                self.sampled_only += 1
+            if chunk:
+                self.head.pop(row, None)
             if smp:
+                self.head[row] = digest(self.seq[row])
                 self.buf[row] = next_token(self.seq[row])
                 out_rows.append(row)
                 tokens.append(self.buf[row])
@@ -152,13 +180,15 @@ ops = st.lists(st.one_of(arrive, arrive, choices,
 @given(ops=ops, rows=st.integers(1, 4), depth=st.integers(1, 2), chunk=st.integers(1, 16),
        kv=st.integers(32, 120), reserve=st.integers(0, 4), context=st.integers(20, 40),
        prefix=st.booleans(), hybrid=st.booleans(), spare_states=st.integers(0, 6),
-       interval=st.integers(0, 6))
+       interval=st.integers(0, 6), head_input=st.booleans())
 def test_any_sequence_keeps_the_invariants_and_answers_everyone_once(
-        ops, rows, depth, chunk, kv, reserve, context, prefix, hybrid, spare_states, interval):
+        ops, rows, depth, chunk, kv, reserve, context, prefix, hybrid, spare_states, interval,
+        head_input):
     s = Scheduler(max_running=rows, context_length=context, eos_ids=[EOS],
                   chunked_prefill_size=chunk, kv_slots=kv, max_queued=1000,
                   output_reserve=reserve, prefix_cache=prefix,
-                  state_slots=rows + spare_states if hybrid else 0, snapshot_interval=interval)
+                  state_slots=rows + spare_states if hybrid else 0, snapshot_interval=interval,
+                  head_input=head_input)
     runner, results = FakeRunner(hybrid), deque()
     prompts, params, emitted, finished = {}, {}, {}, {}
 
@@ -214,6 +244,7 @@ def test_any_sequence_keeps_the_invariants_and_answers_everyone_once(
         tick()
     event(f"retractions: {min(s.retractions, 3)}")
     event(f"prefix hits: {min(s.memory.hits, 3)}")
+    event(f"rows sampled from a kept head input: {min(runner.sampled_only, 3)}")
     event(f"reasons: {sorted({f.reason for f in finished.values()})}")
     leaks = s.leaks()
     assert s.idle and all(not v for v in leaks.values()), leaks

@@ -40,7 +40,7 @@ def make_actor(bursts=(), model=None, **config):
 async def test_messages_before_the_layers_are_kept_in_order():
     a, b, c = m.Abort(rid="a"), m.Abort(rid="b"), m.Abort(rid="c")
     actor = make_actor([[a], [b, m.ModelLayers(kinds=["full"]), c]])
-    assert await actor._await_layers() == (["full"], [a, b, c])
+    assert await actor._await_layers() == (m.ModelLayers(kinds=["full"]), [a, b, c])
 
 
 async def test_a_shutdown_before_the_layers_ends_the_wait():
@@ -59,7 +59,7 @@ def test_sliding_layers_build_the_core_without_the_tree(model_cache, prefix):
     info = read_model_info(str(ensure_builtin("gemma3-tiny", model_cache, progress=False)))
     actor = make_actor(model=info, cache={"prefix": prefix})
     with capture_logs() as logs:
-        core = actor._build_core(["sliding", "full", "sliding", "full"])
+        core = actor._build_core(m.ModelLayers(kinds=["sliding", "full", "sliding", "full"]))
     assert core.memory.tree is None and not core.memory.prefix
     warnings = [r for r in logs if r["event"] == "cache.prefix_off"]
     if not prefix:
@@ -73,6 +73,6 @@ def test_sliding_layers_build_the_core_without_the_tree(model_cache, prefix):
 def test_full_layers_keep_the_configured_prefix_cache(model_cache):
     info = read_model_info(str(ensure_builtin("qwen3-tiny", model_cache, progress=False)))
     with capture_logs() as logs:
-        core = make_actor(model=info)._build_core(["full", "full"])
+        core = make_actor(model=info)._build_core(m.ModelLayers(kinds=["full", "full"]))
     assert core.memory.prefix and core.memory.tree is not None
     assert [r for r in logs if r["event"] == "cache.prefix_off"] == []

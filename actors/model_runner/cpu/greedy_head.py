@@ -11,7 +11,9 @@ rounding, like any change of batch or BLAS).
 This module owns the int8 copy (prepared once at load: one byte per weight, 78 MB on
 qwen3-small beside the 311 MB of float32) and the switch in the head modules: inside
 `capture()`, the head modules (head.py) record their input and return a placeholder that is
-never evaluated, and the runner asks `GreedyHead.tokens` instead. Float32 and bfloat16 head
+never evaluated, and the runner asks `GreedyHead.tokens` instead. `capture(replace=False)`
+only records the input (the runner keeps it with a hybrid model's snapshots) and the head
+runs. Float32 and bfloat16 head
 weights qualify, with float32 logits or a bf16 model's bf16 ones (the float32 sums rounded to
 bf16, where equal logits are common: the bounds cover that rounding and the exact products are
 rounded alike, so the lowest of the equal indices wins as in mx.argmax); quantized heads are
@@ -37,34 +39,54 @@ _N_ALIGN = 16  # and the stats in tiles of 16 rows
 
 class Captured:
     """What the head module saw inside capture(): its input, and the placeholder it returned
-    (the model's output is that very array when nothing came after the head)."""
+    (the model's output is that very array when nothing came after the head); with `replace`
+    False no placeholder, the head ran."""
 
-    def __init__(self) -> None:
+    def __init__(self, replace: bool = True) -> None:
+        self.replace = replace
         self.module: nn.Module | None = None
         self.hidden: mx.array | None = None
         self.placeholder: mx.array | None = None
+
+    def apply(self, x: mx.array) -> mx.array:
+        """The captured head module on another input (inside a capture(), it is recorded)."""
+        embedding = isinstance(self.module, (nn.Embedding, nn.QuantizedEmbedding))
+        return (self.module.as_linear if embedding else self.module)(x)
 
 
 _capture = ThreadFlag(None)
 
 
 @contextmanager
-def capture() -> Iterator[Captured]:
-    got = Captured()
+def capture(replace: bool = True) -> Iterator[Captured]:
+    got = Captured(replace)
     with _capture.holding(got):
         yield got
 
 
 def intercept(module: nn.Module, x: mx.array, vocab: int) -> mx.array | None:
     """Called by the head modules with their input: inside capture(), records it and returns
-    the placeholder logits; else None (compute the head)."""
+    the placeholder logits (replace) or None (compute the head); else None."""
     got = _capture.get()
     if got is None:
         return None
     got.module = module
     got.hidden = x
+    if not got.replace:
+        return None
     got.placeholder = mx.zeros((*x.shape[:-1], vocab), x.dtype)  # lazy: never evaluated
     return got.placeholder
+
+
+def find_head(model: nn.Module) -> Captured | None:
+    """The model's LM head module (Captured.module), where the model's output is the head's
+    own: a one-token forward inside capture(), built and never evaluated. None where the
+    head is not one of head.py's modules or something (e.g. a logit soft-cap) comes after."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    with capture() as got:
+        out = model(mx.array([[0]], mx.int32), cache=make_prompt_cache(model))
+    return None if got.module is None or out is not got.placeholder else got
 
 
 @dataclass(frozen=True)
@@ -136,13 +158,10 @@ def probe(model: nn.Module) -> Probed | None:
     forward inside capture(): the model qualifies when its output is the head's placeholder
     itself (nothing, e.g. a logit soft-cap, comes after the head), the head is a dense
     float32 or bfloat16 weight, and its logits are float32 or bfloat16."""
-    from mlx_lm.models.cache import make_prompt_cache
-
-    with capture() as got:
-        out = model(mx.array([[0]], mx.int32), cache=make_prompt_cache(model))
-    module = got.module
-    if module is None or out is not got.placeholder:
+    got = find_head(model)
+    if got is None:
         return None
+    module = got.module
     if isinstance(module, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
         return None
     weight = module.weight
@@ -150,7 +169,7 @@ def probe(model: nn.Module) -> Probed | None:
         return None
     # The real head on the same input (outside capture(); lazy, never evaluated): the dtype of
     # the logits whose argmax the runner would take.
-    logits = (module.as_linear if isinstance(module, nn.Embedding) else module)(got.hidden)
+    logits = got.apply(got.hidden)
     if logits.dtype not in (mx.float32, mx.bfloat16):
         return None
     return Probed(weight, logits.dtype == mx.bfloat16)
