@@ -18,7 +18,8 @@ Where a row is, by state:
   and what an op keeps of it (its KV, its state) is read from its own caches.
 - `head_input[row]` (hybrid models): the LM head's input where the row last sampled, kept
   with its state when an op snapshots or donates it (an exact repeat samples from it), and
-  taken back from a restored snapshot. Lazy: (the step's head input, the row's index in it).
+  taken back from a restored snapshot; with the greedy head's token for it where that ran.
+  Lazy: (the step's head input, the row's index in it, the step's greedy tokens or None).
 - `decode`: the decode batch (decode_batch.py): one batched cache per layer, a position per
   row, so a decode step is one forward of shape [positions, 1]. `decode_rows` are the rows
   that decode, in position order. A row that stopped decoding but is not released yet (it
@@ -55,7 +56,7 @@ class Rows:
         self.pending_load: dict[int, list[int]] = {}  # row -> KV slots of its cached prefix
         self.prefilling: dict[int, list[Any]] = {}  # row -> per-layer caches, mid-prompt
         self.waiting: dict[int, list[Any]] = {}  # row -> its caches, prompt done, not joined
-        self.head_input: dict[int, tuple[mx.array, int]] = {}  # row -> where it last sampled
+        self.head_input: dict[int, tuple[mx.array, int, mx.array | None]] = {}
         self.decode = DecodeBatch()
 
     # -- admission, release, ops ----------------------------------------------------------------
@@ -167,15 +168,21 @@ class Rows:
             self.token_buf[at] = mx.array(list(joining.values()), dtype=mx.int32)
         return self.decode.inputs(self.token_buf)
 
-    def keep_head_input(self, rows: list[int], x: mx.array) -> None:
-        """x [len(rows), hidden]: the head's input of the rows that sampled, in order."""
+    def keep_head_input(self, rows: list[int], x: mx.array,
+                        greedy: mx.array | None = None) -> None:
+        """x [len(rows), hidden]: the head's input of the rows that sampled, in order; greedy
+        [len(rows)]: the greedy head's tokens for them, where it ran."""
         for i, row in enumerate(rows):
-            self.head_input[row] = (x, i)
+            self.head_input[row] = (x, i, greedy)
 
-    def head_input_of(self, row: int) -> mx.array | None:
-        """The head's input where the row last sampled ([hidden]), or None."""
+    def head_input_of(self, row: int) -> tuple[mx.array | None, mx.array | None]:
+        """The head's input where the row last sampled ([hidden]) and the greedy head's token
+        for it ([] int32), each None where not kept."""
         got = self.head_input.get(row)
-        return None if got is None else got[0][got[1]]
+        if got is None:
+            return None, None
+        x, i, greedy = got
+        return x[i], None if greedy is None else greedy[i]
 
     def record(self, rows: list[int], tokens: mx.array) -> None:
         """The rows sampled these tokens (lazily): their next future inputs."""

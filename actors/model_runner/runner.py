@@ -216,12 +216,15 @@ class ModelRunner:
         x = None if got is None else got.hidden[:, -1, :]
         if x is not None and live is not None:
             x = x[live]
-        if x is not None and self.head is not None:
-            self.rows.keep_head_input(rows, x)
+        tokens = None
         if got is not None and got.replace:
             if out is not got.placeholder:  # install() probed this; a model changed since
                 raise StepError("the model's output is not its LM head's (greedy head)")
-            return self.sampler.launch_tokens(rows, self.cpu.greedy.tokens(x))
+            tokens = self.cpu.greedy.tokens(x)
+        if x is not None and self.head is not None:
+            self.rows.keep_head_input(rows, x, tokens)
+        if tokens is not None:
+            return self.sampler.launch_tokens(rows, tokens)
         logits = out[:, -1, :]
         return self.sampler.launch(rows, logits if live is None else logits[live])
 
@@ -261,14 +264,18 @@ class ModelRunner:
                      done: list[tuple[int, list[Any]]]) -> Pending:
         """A row whose whole prompt the scheduler found cached with the head's input after it
         (an exact repeat): its first token from the head alone, no forward."""
-        x = self.rows.head_input_of(row)
+        x, token = self.rows.head_input_of(row)
         if x is None or self.head is None:
             raise StepError(f"row {row}: no prompt tokens to run and no head input kept "
                             "with its state")
         self.rows.end_prompt(row)
+        done.append((row, cache))  # joins the batch when it first decodes
+        if token is not None and self.sampler.plain_greedy([row]):
+            # The greedy head's answer on this very input, kept with it: the same argmax.
+            self.rows.keep_head_input([row], x[None], token[None])
+            return self.sampler.launch_tokens([row], token[None])
         with self._head([row]) as head_out:
             out = self.head.apply(x.reshape(1, 1, -1))
-        done.append((row, cache))  # joins the batch after this step's decode forward
         return self._sample([row], out, head_out)
 
     def _check_chunk_start(self, row: int, cache: list[Any], start: int) -> None:
@@ -288,8 +295,9 @@ class ModelRunner:
             raise StepError(f"row {row}: prompt starts at {start} with {len(slots)} cached slots")
         cache = make_prompt_cache(self.model)
         kept = self.pools.restore(cache, slots, self.rows.state.get(row))
-        if kept is not None:
-            self.rows.keep_head_input([row], kept[None])
+        if kept:
+            self.rows.keep_head_input([row], kept[0][None],
+                                      kept[1][None] if len(kept) > 1 else None)
         self.rows.start_prompt(row, cache)
         return cache
 

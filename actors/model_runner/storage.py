@@ -99,7 +99,8 @@ class Located:
 class StatePool:
     """Per state slot, what the scheduler keeps there: the recurrent state of every linear
     layer (layer -> its arrays, conv window and SSM state), or nothing (zeros: a fresh start);
-    at a prompt's end also the LM head's input at its last token (key HEAD_INPUT).
+    at a prompt's end also the LM head's input at its last token (key HEAD_INPUT: [input] or
+    [input, the greedy head's token for it])
     A slot a row holds live is not written to: its state is the row's caches, read only when
     an op needs it (`Pools.state_of`), so a step costs nothing here.
 
@@ -201,10 +202,10 @@ class Pools:
             pool.save(layer, where, keys, values)
 
     def restore(self, cache: list[Any], kv_slots: list[int],
-                state_slot: int | None) -> mx.array | None:
+                state_slot: int | None) -> list[mx.array] | None:
         """Fill a new prompt's fresh caches: the cached prefix's KV from the KV slots (if the
         scheduler found a prefix) and the recurrent state from the row's state slot (cleared
-        or copied by this step's ops). Returns the head's input the state kept, if any."""
+        or copied by this step's ops). Returns what the state kept at HEAD_INPUT, if any."""
         if kv_slots:
             pool = self._need(self.kv, "KV")
             where = pool.locate(kv_slots)
@@ -219,7 +220,7 @@ class Pools:
             for layer in self.layers.linear if value else ():
                 cache[layer].cache = list(value[layer])
             if value and HEAD_INPUT in value:
-                return value[HEAD_INPUT][0]
+                return value[HEAD_INPUT]
         return None
 
     def state_of(self, slot: int, rows: Rows) -> dict[int, list[mx.array | None]] | None:
@@ -233,9 +234,9 @@ class Pools:
 
     def _live(self, row: int, rows: Rows) -> dict[int, list[mx.array | None]] | None:
         got = rows.live_states(row, self.layers.linear)
-        head_input = None if got is None else rows.head_input_of(row)
+        head_input, greedy = (None, None) if got is None else rows.head_input_of(row)
         if head_input is not None:
-            got[HEAD_INPUT] = [head_input]
+            got[HEAD_INPUT] = [head_input] if greedy is None else [head_input, greedy]
         if got is not None:
             self.states.fresh += [a for parts in got.values() for a in parts if a is not None]
         return got

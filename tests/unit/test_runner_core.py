@@ -269,14 +269,19 @@ def test_state_slots_hold_what_ops_keep_and_nothing_else(setup, model_cache):
         assert pool.held == {}  # decoding writes nothing
 
     def reference(tokens):
+        """The state after the tokens, the head's input at the last one, and (the greedy
+        head's kept answer, where it ran) the argmax there."""
         cache = make_prompt_cache(model)
         with greedy_head.capture(replace=False) as head_in:
-            model(mx.array(tokens)[None], cache=cache)
+            logits = model(mx.array(tokens)[None], cache=cache)
         return {**{i: cache[i].cache for i in runner.layers.linear},
-                HEAD_INPUT: [head_in.hidden[0, -1]]}
+                HEAD_INPUT: [head_in.hidden[0, -1], mx.argmax(logits[0, -1]).astype(mx.int32)]}
 
     def assert_close(got, want):
         assert set(got) == set(want)
+        if runner.cpu.greedy is None:  # no greedy head: no token kept beside the input
+            want[HEAD_INPUT] = want[HEAD_INPUT][:1]
+        assert len(got[HEAD_INPUT]) == len(want[HEAD_INPUT])
         for i in want:
             for a, b in zip(got[i], want[i]):
                 assert a.shape == b.shape
@@ -339,10 +344,10 @@ def test_on_the_cpu_a_step_is_sent_before_the_next_one_is_queued(setup):
                      ("sent", 3)]
 
 
-@pytest.mark.parametrize("greedy_head", [True, False], ids=["greedy-head", "full-head"])
+@pytest.mark.parametrize("greedy", [True, False], ids=["greedy-head", "full-head"])
 @pytest.mark.parametrize("depth", [1, 2], ids=["plain", "overlap"])
 def test_exact_repeats_sample_from_the_head_input_kept_with_the_prompt(setup, depth,
-                                                                        greedy_head):
+                                                                        greedy, monkeypatch):
     """Hybrid: a prompt's end is cached with the LM head's input there, so a repeat (of one
     that ended at its first token, and of one that decoded on) is admitted with its whole
     prompt cached and only samples, a row with no input token; through the greedy head and
@@ -354,9 +359,22 @@ def test_exact_repeats_sample_from_the_head_input_kept_with_the_prompt(setup, de
     arrivals = {0: [("once", ids[2], 1), ("on", ids[0], 8)],
                 12: [("once-again", ids[2], 6), ("on-again", ids[0], 5), ("other", ids[1], 9)],
                 14: [("again-beside", ids[2], 4)]}
+    applied = []
+    apply = greedy_head.Captured.apply
+
+    def counted(self, x):  # inside a step's capture(): not greedy_head.probe's call at load
+        if greedy_head._capture.get() is not None:
+            applied.append(x.shape)
+        return apply(self, x)
+
+    monkeypatch.setattr(greedy_head.Captured, "apply", counted)
     got, sched = run(path, info, arrivals, depth=depth, prefix=True,
-                     runtime=RuntimeConfig(greedy_head=greedy_head))
+                     runtime=RuntimeConfig(greedy_head=greedy))
     _check_all(oracle, arrivals, got)
+    # The greedy head's token was kept with the input (the first sends were greedy too):
+    # no head runs for a repeat. Without it the model's head runs on the kept input.
+    kept_tokens = greedy and runner_has_kernels()
+    assert len(applied) == (0 if kept_tokens else 3)
     cached = {rid: f.cached_tokens for rid, f in sched.finished.items()}
     for rid, prompt in (("once-again", ids[2]), ("on-again", ids[0]),
                         ("again-beside", ids[2])):
@@ -364,3 +382,11 @@ def test_exact_repeats_sample_from_the_head_input_kept_with_the_prompt(setup, de
     sampled_only = sum(n == 0 and not f for b in sched.batches
                        for n, f in zip(b.input_lens, b.future))
     assert sampled_only == 3
+
+
+def runner_has_kernels() -> bool:
+    try:
+        import mas_kernels  # noqa: F401  (the greedy head needs the compiled kernels)
+    except ImportError:
+        return False
+    return True
