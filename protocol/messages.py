@@ -239,6 +239,10 @@ class ForwardBatch(Wire, tag=_tag("ForwardBatch")):
     # resumes), and, when its penalties need them, every token so far (int32: prompt + output).
     admit_generated: list[int] = []
     admit_tokens: list[bytes] = []
+    # The scheduler built the next step already (overlap): the runner may wait a moment for
+    # it before reading this one back. False: nothing follows until this step's result is in,
+    # so the runner reads it back at once.
+    follows: bool = True
 
 
 class StepResult(Wire, tag=_tag("StepResult")):

@@ -22,7 +22,9 @@ from models.sizing import kv_capacity, state_capacity
 from protocol import messages as m
 
 _STOP = object()
-FOLLOW_S = 0.005  # how long a launched step waits for the next batch before it is read
+# How long a launched step waits for the next batch before it is read back, where the
+# scheduler built one (ForwardBatch.follows).
+FOLLOW_S = 0.005
 
 
 class MlxThread(threading.Thread):
@@ -84,6 +86,8 @@ class MlxThread(threading.Thread):
                 self.stats.maybe_report(final=True)  # the last stretch, however short
                 return
             pipeline.launch(batch)
+            if not batch.follows:  # nothing comes before its result: no wait for a next step
+                pipeline.flush()
 
     def reset(self) -> None:
         """The runner's memory may be half-updated: drop every row's state. With tensor

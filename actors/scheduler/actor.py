@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import time
 
+import msgspec
+
 from actors.scheduler.core import Scheduler
 from actors.scheduler.outputs import Outputs
 from actors.scheduler.prefix_plan import plan_prefix
@@ -107,14 +109,18 @@ class SchedulerActor:
             # retracted and admitted again reads in order), endings before the detokenizer
             # sees them (request.ended before the tokenizer's request.finished).
             logged = self._log_retractions(out, 0)
-            while len(self.core.futures) < self.depth:
-                batch = self.core.schedule()
-                if batch is None:
-                    break
-                await self.shell.send("runner", batch)
+            batch = self._next_batch()
+            while batch is not None:
+                # The next step is built before this one goes. Where none could be built with
+                # room in flight (nothing to run until a result is in), the runner reads this
+                # one back at once instead of waiting for a next step to overlap with.
+                following = self._next_batch()
+                follows = following is not None or len(self.core.futures) >= self.depth
+                await self.shell.send("runner", msgspec.structs.replace(batch, follows=follows))
                 out.merge(self.core.take())
                 logged = self._log_retractions(out, logged)
                 self._log_admissions(batch)
+                batch = following
             # schedule() ends aborted requests that had nothing in flight.
             out.merge(self.core.take())
             self._log_retractions(out, logged)
@@ -125,6 +131,9 @@ class SchedulerActor:
                     replica=self.shell.replica))
             self._log_cache()
             self._check_idle()
+
+    def _next_batch(self) -> m.ForwardBatch | None:
+        return self.core.schedule() if len(self.core.futures) < self.depth else None
 
     def _log_admissions(self, batch: m.ForwardBatch) -> None:
         admitted = set(batch.admit_rows)
