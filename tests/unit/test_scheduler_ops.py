@@ -213,12 +213,18 @@ def test_hybrid_chunks_end_at_every_snapshot_interval_and_before_the_last_token(
 # -- the head's input kept at a prompt's end (runner: ModelLayers.head_input) ------------------
 
 
-def test_an_exact_repeat_takes_the_whole_prompt_and_only_samples():
+def admitted(max_new_tokens):
+    """A scheduler that keeps head inputs, after the first batch of a 10-token prompt:
+    (scheduler, prompt, that batch, the request's live state slot)."""
     s = make(chunk=64, head_input=True)
     prompt = list(range(1, 11))
-    s.add("a", prompt, P(max_new_tokens=1))
+    s.add("a", prompt, P(max_new_tokens=max_new_tokens))
     b = s.schedule()
-    live = b.admit_states[0]
+    return s, prompt, b, b.admit_states[0]
+
+
+def test_an_exact_repeat_takes_the_whole_prompt_and_only_samples():
+    s, prompt, b, live = admitted(max_new_tokens=1)
     assert b.input_lens == [10] and b.sample == [True]  # no cut before the last token
     finish(s, b, token=7)
     release = s.schedule()
@@ -245,11 +251,7 @@ def test_an_exact_repeat_takes_the_whole_prompt_and_only_samples():
 
 
 def test_a_prompt_that_decodes_on_is_snapshotted_at_its_end_with_the_head_input():
-    s = make(chunk=64, head_input=True)
-    prompt = list(range(1, 11))
-    s.add("a", prompt, P(max_new_tokens=4))
-    b = s.schedule()
-    live = b.admit_states[0]
+    s, prompt, b, live = admitted(max_new_tokens=4)
     first_decode = s.schedule()
     assert kinds(first_decode) == [m.OpKind.KV_SAVE, m.OpKind.SNAPSHOT]
     save, snap = first_decode.ops
