@@ -35,6 +35,8 @@ def ttfts(target: Target, prompts: list[str]) -> list[tuple[float, Sample]]:
     return [(s.ended - s.sent, s) for s in samples]
 
 
+TARGET = 0.2  # the issue's bound on a second send's TTFT over the first's
+
 SHORT = ["Hi!", "What is rain?", "Name a color.", "Count to three.", "Tell me a joke.",
          "2 + 2 =", "Why is the sky blue?", "Say hello in French.", "List two fruits.",
          "Good morning, how are you today?"]
@@ -50,7 +52,8 @@ def repeats(target: Target, prompts: list[str]) -> dict:
     hits = sum(r["cached_second"] >= r["prompt_tokens"] - 1 for r in rows)
     ratios = sorted(r["ttft_second"] / r["ttft_first"] for r in rows)
     return {"hits": hits, "of": len(rows), "ttft_ratio_median": ratios[len(ratios) // 2],
-            "ttft_ratio_max": ratios[-1], "rows": rows}
+            "ttft_ratio_max": ratios[-1], "within_target": sum(x <= TARGET for x in ratios),
+            "rows": rows}
 
 
 def measure(target: Target, warm: str, prompts: dict[int, list[str]]) -> dict[int, float]:
@@ -104,11 +107,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"ours / {name}: " + ", ".join(f"{base[n] / row[n]:.2f}x at {n}"
                                                  for n in args.tokens))
     print("\nten short prompts sent twice (TTFT: a one-token request, sent to its end)")
-    print("| prompts | second sends cached >= prompt - 1 | TTFT second / first, median | max |")
-    print("|---|---|---|---|")
+    print("| prompts | second sends cached >= prompt - 1 | TTFT second / first, median | max | "
+          f"second sends <= {TARGET}x |")
+    print("|---|---|---|---|---|")
     for name, r in repeat.items():
         print(f"| {name} | {r['hits']} of {r['of']} | {r['ttft_ratio_median']:.2f} | "
-              f"{r['ttft_ratio_max']:.2f} |")
+              f"{r['ttft_ratio_max']:.2f} | {r['within_target']} of {r['of']} |")
     if args.json:
         Path(args.json).write_text(json.dumps({**results, "repeats": repeat}, indent=2))
     return 0
