@@ -17,8 +17,8 @@ Where a row is, by state:
   that ends there (one output token, or a stop at the first) never pays the join's copies,
   and what an op keeps of it (its KV, its state) is read from its own caches.
 - `head_input[row]` (hybrid models): the LM head's input where the row last sampled, kept
-  with its state when an op snapshots or donates it (an exact repeat samples from it), and
-  taken back from a restored snapshot; with the greedy head's token for it where that ran.
+  with its state when an op snapshots or donates it (an exact repeat samples from it), with
+  the greedy head's token for it where that ran.
   Lazy: (the step's head input, the row's index in it, the step's greedy tokens or None).
 - `decode`: the decode batch (decode_batch.py): one batched cache per layer, a position per
   row, so a decode step is one forward of shape [positions, 1]. `decode_rows` are the rows
@@ -96,7 +96,7 @@ class Rows:
         """The row's recurrent state now (layer -> its arrays), where its caches hold it: mid
         prompt, or decoding. None before its first chunk, and once parked (the decode forward
         runs parked positions too, so their state there is not theirs any more)."""
-        own = self.prefilling.get(row) or self.waiting.get(row)
+        own = self._own_caches(row)
         if own is not None:
             return {i: list(own[i].cache) for i in layers}
         if row in self.decode.decoding:
@@ -106,12 +106,17 @@ class Rows:
     def kv_of(self, row: int) -> tuple[list[Any], int]:
         """Where a KV save reads the row's KV: (per-layer caches, the row's index in them).
         Mid-prompt rows have caches of their own; decoding and parked rows a position."""
-        own = self.prefilling.get(row) or self.waiting.get(row)
+        own = self._own_caches(row)
         if own is not None:
             return own, 0
         if row not in self.decode.where:
             raise StepError(f"KV save for row {row}, which holds no KV")
         return self.decode.kv_of(row)
+
+    def _own_caches(self, row: int) -> list[Any] | None:
+        """The row's per-layer caches of its own (mid-prompt, or waiting to decode), if any."""
+        own = self.prefilling.get(row)
+        return self.waiting.get(row) if own is None else own
 
     # -- prompts --------------------------------------------------------------------------------
 

@@ -235,13 +235,12 @@ class ModelRunner:
         batched LM head, ~1 ms more per row there. With nothing decoding, the chunk runs whole
         with the head on its last position only (one pass over the weights, not the two of
         a chunk and then a one-token forward)."""
-        cache = self.rows.prompt_cache(row)
+        cache, kept = self.rows.prompt_cache(row), None
         if cache is None or start == 0:
-            cache = self._new_prompt_cache(row, start)
+            cache, kept = self._new_prompt_cache(row, start)
         self._check_chunk_start(row, cache, start)
         if not ids:
-            return self._sample_kept(row, cache, done)
-        self.rows.head_input.pop(row, None)  # a restored one is not where the row ends now
+            return self._sample_kept(row, cache, kept, done)
         if not sample:
             self.model(mx.array(ids)[None], cache=cache)  # logits unused: never evaluated
             before_host_sync()
@@ -260,14 +259,15 @@ class ModelRunner:
         joining[row] = ids[-1]
         return None
 
-    def _sample_kept(self, row: int, cache: list[Any],
+    def _sample_kept(self, row: int, cache: list[Any], kept: list[mx.array] | None,
                      done: list[tuple[int, list[Any]]]) -> Pending:
         """A row whose whole prompt the scheduler found cached with the head's input after it
-        (an exact repeat): its first token from the head alone, no forward."""
-        x, token = self.rows.head_input_of(row)
-        if x is None or self.head is None:
+        (an exact repeat): its first token from the head alone, no forward. `kept`: what its
+        restored state held there, [input] or [input, the greedy head's token]."""
+        if not kept or self.head is None:
             raise StepError(f"row {row}: no prompt tokens to run and no head input kept "
                             "with its state")
+        x, token = kept[0], kept[1] if len(kept) > 1 else None
         self.rows.end_prompt(row)
         done.append((row, cache))  # joins the batch when it first decodes
         if token is not None and self.sampler.plain_greedy([row]):
@@ -287,19 +287,18 @@ class ModelRunner:
         if offset != start:
             raise StepError(f"row {row}: prompt chunk at {start}, cache holds {offset}")
 
-    def _new_prompt_cache(self, row: int, start: int) -> list[Any]:
+    def _new_prompt_cache(self, row: int,
+                          start: int) -> tuple[list[Any], list[mx.array] | None]:
         """Fresh caches for a new prompt, filled from the pools: the cached prefix's KV (if the
-        scheduler found one) and the recurrent state (cleared or copied by the ops)."""
+        scheduler found one) and the recurrent state (cleared or copied by the ops); and what
+        that state kept of the head's input, if anything (storage.HEAD_INPUT)."""
         slots = self.rows.take_load(row)
         if len(slots) != start:
             raise StepError(f"row {row}: prompt starts at {start} with {len(slots)} cached slots")
         cache = make_prompt_cache(self.model)
         kept = self.pools.restore(cache, slots, self.rows.state.get(row))
-        if kept:
-            self.rows.keep_head_input([row], kept[0][None],
-                                      kept[1][None] if len(kept) > 1 else None)
         self.rows.start_prompt(row, cache)
-        return cache
+        return cache, kept
 
 
 def _logprob_columns(got: list[Sampled]) -> dict[str, list]:

@@ -173,15 +173,13 @@ class Scheduler:
         return req
 
     def _prefill_chunk(self, req: Request, budget: int, step: BatchBuilder) -> int:
-        if not req.prefilling:  # admitted with its whole fill cached: it only samples
-            step.prefill(req, [], req.filled, True)
-            req.sampled += 1
-            return 0
         n = min(len(req.fill) - req.filled, budget)
         end = next((e for e in req.chunk_ends if e > req.filled), 0)
         if end:
             n = min(n, end - req.filled)
-        if n <= 0:
+        # A request admitted with its whole fill cached (memory.py) runs a last chunk of no
+        # token: it only samples.
+        if n <= 0 and req.prefilling:
             return 0
         last = req.filled + n == len(req.fill)
         step.prefill(req, req.fill[req.filled:req.filled + n], req.filled, last)

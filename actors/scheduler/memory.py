@@ -106,8 +106,10 @@ class Memory:
             return None
         match = None
         if self.head_input:
+            # Short of the whole fill it is the deepest snapshot before the last token anyway;
+            # only a whole-fill node that cannot sample needs a second walk, to back off.
             match = self.tree.match(req.fill, need_state=True)
-            if match.length < len(req.fill) or not match.node.head_input:
+            if match.length == len(req.fill) and not match.node.head_input:
                 match = None
         if match is None:
             match = self.tree.match(req.fill[:-1], need_state=self.states is not None)

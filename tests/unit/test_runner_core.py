@@ -5,7 +5,7 @@ for the dense (qwen3) and the hybrid (qwen3_5) model."""
 
 import pytest
 
-from actors.model_runner.cpu import fastmath, greedy_head
+from actors.model_runner.cpu import fastmath, greedy_head, weights
 from models.builtin import ensure_builtin
 from actors.model_runner.loading import load_model
 from models.info import read_model_info
@@ -373,7 +373,7 @@ def test_exact_repeats_sample_from_the_head_input_kept_with_the_prompt(setup, de
     _check_all(oracle, arrivals, got)
     # The greedy head's token was kept with the input (the first sends were greedy too):
     # no head runs for a repeat. Without it the model's head runs on the kept input.
-    kept_tokens = greedy and runner_has_kernels()
+    kept_tokens = greedy and weights.loaded_kernels() is not None
     assert len(applied) == (0 if kept_tokens else 3)
     cached = {rid: f.cached_tokens for rid, f in sched.finished.items()}
     for rid, prompt in (("once-again", ids[2]), ("on-again", ids[0]),
@@ -382,11 +382,3 @@ def test_exact_repeats_sample_from_the_head_input_kept_with_the_prompt(setup, de
     sampled_only = sum(n == 0 and not f for b in sched.batches
                        for n, f in zip(b.input_lens, b.future))
     assert sampled_only == 3
-
-
-def runner_has_kernels() -> bool:
-    try:
-        import mas_kernels  # noqa: F401  (the greedy head needs the compiled kernels)
-    except ImportError:
-        return False
-    return True

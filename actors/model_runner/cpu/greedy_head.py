@@ -11,13 +11,12 @@ rounding, like any change of batch or BLAS).
 This module owns the int8 copy (prepared once at load: one byte per weight, 78 MB on
 qwen3-small beside the 311 MB of float32) and the switch in the head modules: inside
 `capture()`, the head modules (head.py) record their input and return a placeholder that is
-never evaluated, and the runner asks `GreedyHead.tokens` instead. `capture(replace=False)`
+never evaluated, and the runner asks `GreedyHead.tokens` instead; `capture(replace=False)`
 only records the input (the runner keeps it with a hybrid model's snapshots) and the head
-runs. Float32 and bfloat16 head
-weights qualify, with float32 logits or a bf16 model's bf16 ones (the float32 sums rounded to
-bf16, where equal logits are common: the bounds cover that rounding and the exact products are
-rounded alike, so the lowest of the equal indices wins as in mx.argmax); quantized heads are
-cheap already.
+runs. Float32 and bfloat16 head weights qualify, with float32 logits or a bf16 model's bf16
+ones (the float32 sums rounded to bf16, where equal logits are common: the bounds cover that
+rounding and the exact products are rounded alike, so the lowest of the equal indices wins as
+in mx.argmax); quantized heads are cheap already.
 """
 
 from __future__ import annotations
