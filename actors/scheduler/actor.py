@@ -105,9 +105,15 @@ class SchedulerActor:
                     case m.Shutdown():
                         return
             msgs = []
+            # Tokens and endings from these messages go out before the next step is built:
+            # the runner has the step in flight (or nothing to run until they are read), and
+            # a client waits on them. What scheduling adds (refusals, aborts) follows below.
+            if out:
+                self._log_retractions(out, 0)  # a result can settle a pending retraction
+                self._emit(out)
+                out = Outputs()
             # Retractions are logged before the admissions of the same pass (a request
-            # retracted and admitted again reads in order), endings before the detokenizer
-            # sees them (request.ended before the tokenizer's request.finished).
+            # retracted and admitted again reads in order).
             logged = self._log_retractions(out, 0)
             batch = self._next_batch()
             while batch is not None:
@@ -124,13 +130,16 @@ class SchedulerActor:
             # schedule() ends aborted requests that had nothing in flight.
             out.merge(self.core.take())
             self._log_retractions(out, logged)
-            self._log_endings(out)
             if out:
-                await self.shell.send("detokenizer", out.to_batch(
-                    running=len(self.core.running), queued=len(self.core.queue),
-                    replica=self.shell.replica))
+                self._emit(out)
             self._log_cache()
             self._check_idle()
+
+    def _emit(self, out: Outputs) -> None:
+        self._log_endings(out)  # request.ended before the tokenizer's request.finished
+        self.shell.send_now("detokenizer", out.to_batch(
+            running=len(self.core.running), queued=len(self.core.queue),
+            replica=self.shell.replica))
 
     def _next_batch(self) -> m.ForwardBatch | None:
         return self.core.schedule() if len(self.core.futures) < self.depth else None

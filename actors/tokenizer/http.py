@@ -189,29 +189,37 @@ async def _stream(bridge: Bridge, reqs: list[m.GenerateRequest], index: dict[str
     model = bridge.model_name
     finals: dict[int, m.Finished] = {}
     reply = first
+    # Events already here go out as one write: a request's last token, its finish, its usage
+    # and [DONE] usually arrive together, and each write is a packet the client parses alone.
+    parts: list[str] = []
     try:
         if chat:
             for k in range(len(reqs)):
-                yield _sse(chunk(rid, created, model, k, "", None, None, opts, role=True))
+                parts.append(_sse(chunk(rid, created, model, k, "", None, None, opts, role=True)))
         while True:
             if isinstance(reply, m.ErrorReply):  # the server failed mid-stream
-                yield _sse(error_body(reply.code, reply.message, None))
+                parts.append(_sse(error_body(reply.code, reply.message, None)))
                 break
             k = index[reply.req_id]
             if isinstance(reply, m.Delta) and (reply.token_ids or reply.text):
                 lp = (reply.token_ids, reply.logprobs, reply.top_ids, reply.top_logprobs)
-                yield _sse(chunk(rid, created, model, k, reply.text, None, lp, opts))
+                parts.append(_sse(chunk(rid, created, model, k, reply.text, None, lp, opts)))
             if isinstance(reply, m.Finished):
                 finals[k] = reply
-                yield _sse(chunk(rid, created, model, k, "", reply.finish_reason, None, opts))
+                parts.append(_sse(chunk(rid, created, model, k, "", reply.finish_reason, None,
+                                        opts)))
                 if len(finals) == len(reqs):
                     break
+            if parts and queue.empty():
+                yield "".join(parts)
+                parts = []
             reply = await queue.get()
         if opts.get("include_usage") and len(finals) == len(reqs):
-            yield _sse({"id": rid, "object": "chat.completion.chunk" if chat
-                        else "text_completion", "created": created, "model": model,
-                        "choices": [], "usage": usage(list(finals.values()))})
-        yield "data: [DONE]\n\n"
+            parts.append(_sse({"id": rid, "object": "chat.completion.chunk" if chat
+                               else "text_completion", "created": created, "model": model,
+                               "choices": [], "usage": usage(list(finals.values()))}))
+        parts.append("data: [DONE]\n\n")
+        yield "".join(parts)
     finally:
         for k, r in enumerate(reqs):
             if k not in finals:
