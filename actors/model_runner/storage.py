@@ -47,6 +47,14 @@ class KvPool:
             while len(held) < segments:
                 held.append(mx.zeros((SEGMENT, *like.shape[1:]), dtype=like.dtype))
 
+    def open_first(self, like: dict[int, tuple[mx.array, mx.array]]) -> None:
+        """Every layer's first segment, allocated and faulted in now (at startup), shaped like
+        `like` (layer -> one token's K and V): else the first request to end pays for it in a
+        client's step (7 ms on qwen3_5-small's two attention layers)."""
+        for layer, (keys, values) in like.items():
+            self._open(layer, 1, keys, values)
+        mx.eval(self.all_arrays())
+
     def locate(self, slots: list[int]) -> Located:
         """Where the slots are, worked out once for an op on every layer. ValueError for a slot
         past the capacity."""

@@ -3,7 +3,9 @@ requests joining and leaving the batch at different steps still get mlx-lm's gre
 for the dense (qwen3) and the hybrid (qwen3_5) model."""
 
 
+import mlx.core as mx
 import pytest
+from mlx_lm.models.cache import make_prompt_cache
 
 from actors.model_runner.cpu import fastmath, greedy_head, weights
 from models.builtin import ensure_builtin
@@ -11,6 +13,7 @@ from actors.model_runner.loading import load_model
 from models.info import read_model_info
 from actors.model_runner.rows import StepError
 from actors.model_runner.runner import ModelRunner
+from actors.model_runner import storage
 from actors.model_runner.storage import HEAD_INPUT
 from actors.scheduler.core import Scheduler
 from protocol import messages as m
@@ -110,6 +113,25 @@ def test_a_decode_row_that_was_never_prefilled_is_refused(setup):
                            sample=[True], input_ids=b"")
     with pytest.raises(StepError, match="never prefilled"):
         runner.step(batch)
+
+
+def test_a_new_runner_has_the_first_segment_of_its_kv_pool_in_memory(setup):
+    """Faulted in at startup, shaped like the model's K and V: the first request to end saves
+    its KV into memory that is already there."""
+    path, _, _ = setup
+    model = load_model(path)
+    runner = ModelRunner(model, 2, kv_slots=100)
+    pool = runner.pools.kv
+    cache = make_prompt_cache(model)
+    model(mx.array([[1, 2]]), cache=cache)
+    assert sorted(pool.keys) == sorted(pool.values) == runner.layers.full
+    for layer in runner.layers.full:
+        want = cache[layer].keys
+        for store in (pool.keys, pool.values):
+            [segment] = store[layer]
+            assert segment.shape == (storage.SEGMENT, want.shape[1], want.shape[3])
+            assert segment.dtype == want.dtype
+    assert ModelRunner(model, 2).pools.kv is None  # no pool, nothing to open
 
 
 def ops_batch(step: int, *ops: m.Op, admit: dict[int, int] | None = None) -> m.ForwardBatch:
@@ -255,8 +277,6 @@ def test_state_slots_hold_what_ops_keep_and_nothing_else(setup, model_cache):
     path, oracle, info = setup
     if not info.state_layers:
         pytest.skip("a dense model has no recurrent state")
-    import mlx.core as mx
-    from mlx_lm.models.cache import make_prompt_cache
 
     model = load_model(path)
     runner = ModelRunner(model, 2, state_slots=8)
