@@ -44,6 +44,9 @@ SHORT = ["Hi!", "What is rain?", "Name a color.", "Count to three.", "Tell me a 
 
 def repeats(target: Target, prompts: list[str]) -> dict:
     """Each prompt sent twice in a row: did the second hit, and its TTFT over the first's."""
+    # One pair first, outside the table: a process's first hit runs its code paths (client
+    # and server) for the first time, ~3 ms more than any hit after it.
+    ttfts(target, ["Warm up.", "Warm up."])
     rows = []
     for p in prompts:
         (first, _), (second, got) = ttfts(target, [p, p])
