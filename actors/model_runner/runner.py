@@ -24,7 +24,6 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from actors.model_runner import cpu
 from actors.model_runner.cpu import greedy_head, head
-from actors.model_runner.decode_batch import row_tokens
 from actors.model_runner.layers import Layers, classify
 from actors.model_runner.pipeline import before_host_sync
 from actors.model_runner.rows import Rows, StepError
@@ -61,7 +60,7 @@ class ModelRunner:
         if kv is not None:
             cache = make_prompt_cache(model)
             model(mx.array([[0]]), cache=cache)
-            kv.open_first({layer: row_tokens(cache[layer], 0, 0, 1) for layer in kv.layers})
+            kv.open_first(cache)
         states = StatePool(state_slots) if self.layers.linear and state_slots else None
         # Hybrid models keep the head's input with a prompt's snapshot (storage.py) and sample
         # an exact repeat from it, through the head module found here.

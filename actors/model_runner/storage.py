@@ -47,12 +47,13 @@ class KvPool:
             while len(held) < segments:
                 held.append(mx.zeros((SEGMENT, *like.shape[1:]), dtype=like.dtype))
 
-    def open_first(self, like: dict[int, tuple[mx.array, mx.array]]) -> None:
+    def open_first(self, cache: list[Any]) -> None:
         """Every layer's first segment, allocated and faulted in now (at startup), shaped like
-        `like` (layer -> one token's K and V): else the first request to end pays for it in a
-        client's step (7 ms on qwen3_5-small's two attention layers)."""
-        for layer, (keys, values) in like.items():
-            self._open(layer, 1, keys, values)
+        the K and V of `cache` (a prompt's per-layer caches after one token): else the first
+        request to end pays for it in a client's step (7 ms on qwen3_5-small's two attention
+        layers)."""
+        for layer in self.layers:
+            self._open(layer, 1, *row_tokens(cache[layer], 0, 0, 1))
         mx.eval(self.all_arrays())
 
     def locate(self, slots: list[int]) -> Located:

@@ -105,16 +105,15 @@ class SchedulerActor:
                     case m.Shutdown():
                         return
             msgs = []
+            # Retractions (a result can settle one) are logged before the admissions of the
+            # same pass: a request retracted and admitted again reads in order.
+            logged = self._log_retractions(out, 0)
             # Tokens and endings from these messages go out before the next step is built:
             # the runner has the step in flight (or nothing to run until they are read), and
             # a client waits on them. What scheduling adds (refusals, aborts) follows below.
             if out:
-                self._log_retractions(out, 0)  # a result can settle a pending retraction
                 self._emit(out)
-                out = Outputs()
-            # Retractions are logged before the admissions of the same pass (a request
-            # retracted and admitted again reads in order).
-            logged = self._log_retractions(out, 0)
+                out, logged = Outputs(), 0
             batch = self._next_batch()
             while batch is not None:
                 # The next step is built before this one goes. Where none could be built with
