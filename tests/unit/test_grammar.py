@@ -1,0 +1,102 @@
+"""Constrained decoding's core (actors/model_runner/grammar.py) on the real Qwen tokenizer:
+whatever the logits, a row sampled through its masks ends in text the constraint accepts;
+constraints the library refuses are named errors."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from actors.model_runner.grammar import (Constraint, GrammarError, Grammars, allowed,
+                                         apply_masks, compile_constraint)
+from models.builtin import ensure_builtin
+from models.info import read_model_info
+
+SCHEMAS = [
+    {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
+                                      "age": {"type": "integer", "minimum": 0, "maximum": 150}},
+     "required": ["name", "age"], "additionalProperties": False},
+    {"type": "object", "properties": {
+        "color": {"enum": ["red", "green", "blue"]},
+        "point": {"type": "object", "properties": {"x": {"type": "integer", "minimum": -5,
+                                                         "maximum": 5},
+                                                   "y": {"type": "boolean"}},
+                  "required": ["x", "y"], "additionalProperties": False},
+        "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "minItems": 1,
+                 "maxItems": 3}},
+     "required": ["color", "point", "tags"], "additionalProperties": False},
+]
+
+
+@pytest.fixture(scope="module")
+def grammars(model_cache):
+    path = ensure_builtin("qwen3-tiny", cache_dir=model_cache, progress=False)
+    info = read_model_info(str(path))
+    return Grammars((path / "tokenizer.json").read_text(), info.vocab_size, info.eos_ids[0])
+
+
+def _sample(grammars: Grammars, constraint: Constraint, seed: int, limit: int = 400) -> str:
+    """Random logits, masked, argmax, until the matcher stops: the text it let through."""
+    rng = np.random.default_rng(seed)
+    m = grammars.matcher(constraint)
+    eos = grammars.tokenizer.eos_token
+    ids = []
+    for _ in range(limit):
+        logits = mx.array(rng.normal(size=(1, grammars.vocab_size)).astype(np.float32))
+        token = int(mx.argmax(apply_masks(logits, grammars.masks([m])), axis=-1).item())
+        if token == eos:
+            assert m.is_accepting()
+            break
+        assert m.consume_token(token), m.get_error()
+        ids.append(token)
+        if m.is_stopped():
+            break
+    else:
+        pytest.fail(f"no end in {limit} tokens: {grammars.tokenizer.decode_str(ids)!r}")
+    return grammars.tokenizer.decode_str(ids)
+
+
+@pytest.mark.parametrize("schema", SCHEMAS)
+def test_json_schema_rows_end_in_json_that_validates(grammars, schema):
+    for seed in range(3):
+        text = _sample(grammars, Constraint("json_schema", json.dumps(schema)), seed)
+        jsonschema.validate(json.loads(text), schema)
+
+
+def test_json_object_and_regex_rows_end_in_what_they_ask_for(grammars):
+    assert isinstance(json.loads(_sample(grammars, Constraint("json_object", ""), 1,
+                                         limit=2000)), dict)
+    pattern = r"(yes|no), [0-9]{3}"
+    assert re.fullmatch(pattern, _sample(grammars, Constraint("regex", pattern), 2))
+
+
+def test_masks_forbid_exactly_the_tokens_whose_bit_is_clear(grammars):
+    m = grammars.matcher(Constraint("regex", "[0-9]+"))
+    bitmask = grammars.masks([m])
+    bits = np.unpackbits(bitmask.view(np.uint8), bitorder="little")[:grammars.vocab_size]
+    keep = np.array(allowed(bitmask, grammars.vocab_size))[0]
+    np.testing.assert_array_equal(keep, bits.astype(bool))
+    assert 0 < keep.sum() < grammars.vocab_size // 10  # digits only
+    digit = grammars.tokenizer.tokenize_str("7")[0]
+    letter = grammars.tokenizer.tokenize_str("a")[0]
+    assert keep[digit] and not keep[letter]
+    out = np.array(apply_masks(mx.zeros((1, grammars.vocab_size)), bitmask))[0]
+    assert np.all(out[keep] == 0) and np.all(np.isneginf(out[~keep]))
+
+
+@pytest.mark.parametrize("kind,source,reason", [
+    ("json_schema", "{not json", "not JSON"),
+    ("json_schema", '{"type": "object", "properties": {"a": {"$ref": "#/nowhere"}}}', "refused"),
+    ("regex", "(unclosed", "refused"),
+    ("lark", "start: undefined_rule", "refused"),
+    ("xml", "", "unknown constraint kind"),
+])
+def test_constraints_the_library_refuses_are_named(grammars, kind, source, reason):
+    with pytest.raises(GrammarError, match=reason):
+        compile_constraint(kind, source)
+        grammars.matcher(Constraint(kind, source))
