@@ -100,6 +100,12 @@ class GenerateRequest(ClientWire, tag=_tag("GenerateRequest")):
     group: str = ""
     chat_template_kwargs: dict[str, Any] = {}  # passed to the chat template (with messages)
     api_key: str = ""  # server.api_key, when the server has one (ZMQ; HTTP sends a header)
+    # Constrained output, at most one of them (sglang's names): a JSON schema (as JSON text;
+    # '{"type": "object"}' for any JSON object), a regular expression, or a Lark grammar (EBNF
+    # as llguidance reads it). The output then always matches, unless cut by max_new_tokens.
+    json_schema: str = ""
+    regex: str = ""
+    ebnf: str = ""
 
 
 class AbortRequest(ClientWire, tag=_tag("AbortRequest")):
@@ -169,6 +175,10 @@ class SamplingParams(Plain):
     stop: list[str] = []
     logprobs: bool = False
     top_logprobs: int = 0
+    # A constraint on the output (actors/model_runner/grammar.py KINDS), checked by the
+    # tokenizer: its kind ("" none) and source.
+    constraint_kind: str = ""
+    constraint: str = ""
 
 
 class TokenizedRequest(Wire, tag=_tag("TokenizedRequest")):

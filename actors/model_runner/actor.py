@@ -42,7 +42,8 @@ class MlxThread(threading.Thread):
         runner = ModelRunner(model, cfg.scheduler.max_running_requests,
                              kv_slots=kv_capacity(cfg, info),
                              state_slots=state_capacity(cfg, info), vocab_size=info.vocab_size,
-                             eos_ids=info.eos_ids, runtime=cfg.runtime)
+                             eos_ids=info.eos_ids, runtime=cfg.runtime,
+                             tokenizer_dir=info.path)
         # The scheduler sized its state slots from config.json (ModelInfo.state_layers); the
         # runner found the layers in the model itself. Serving on a disagreement would resume
         # recurrent layers from nothing after a prefix hit: refuse to start instead.

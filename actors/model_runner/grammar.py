@@ -10,12 +10,17 @@ ms and computes a row's next mask in 5-200 us (`benchmarks/kernels`-style number
 from __future__ import annotations
 
 import json
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import lru_cache
+from pathlib import Path
+from typing import Callable, Sequence
 
 import llguidance
 import mlx.core as mx
 import numpy as np
+
+from actors.model_runner.pipeline import before_host_sync
 
 KINDS = ("json_schema", "json_object", "regex", "lark")
 
@@ -84,14 +89,97 @@ class Grammars:
             raise GrammarError(f"{constraint.kind} refused: {m.get_error()}")
         return m
 
-    def masks(self, matchers: list[llguidance.LLMatcher]) -> np.ndarray:
-        """[len(matchers), words] int32: bit t of a row set where token t is allowed next."""
+    def masks(self, matchers: list[llguidance.LLMatcher],
+              ends: Sequence[Sequence[int]] = ()) -> np.ndarray:
+        """[len(matchers), words] int32: bit t of a row set where token t is allowed next.
+        ends[k]: the ids that end row k (its EOS ids and stop_token_ids), allowed wherever
+        the grammar allows its one EOS: the text may end there. A matcher in error (it
+        cannot be, when every token came through its masks) lets the row end, nothing else."""
         words = (self.vocab_size + 31) // 32
         out = np.zeros((len(matchers), words), dtype=np.int32)
+        eos = self.tokenizer.eos_token
+        flat = out.view(np.uint32)
         for k, m in enumerate(matchers):
             row = out[k]
-            m.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
+            if m.is_error():
+                _set(flat[k], eos)
+            else:
+                m.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
+            if ends and (flat[k, eos // 32] >> (eos % 32)) & 1:
+                for t in ends[k]:
+                    _set(flat[k], t)
         return out
+
+
+def _set(words: np.ndarray, token: int) -> None:
+    words[token // 32] |= np.uint32(1 << (token % 32))
+
+
+@lru_cache(maxsize=4)
+def grammars_for(model_dir: str, vocab_size: int, eos_id: int) -> Grammars:
+    """One Grammars per served tokenizer and process: a runner rebuilt after a failed step
+    keeps it (the tokenizer takes ~1 s to build)."""
+    return Grammars((Path(model_dir) / "tokenizer.json").read_text(), vocab_size, eos_id)
+
+
+class RowMatchers:
+    """The sampler's constrained rows: one matcher each, made off the MLX thread, and the
+    token each row drew last, not read back yet.
+
+    A row's next mask depends on the token it drew in the step before; with overlap that
+    token is a future when the next step is built. next_masks() waits where the pipeline
+    reads the last step back anyway (before_host_sync), so a constrained step costs that
+    overlap and the masks' own microseconds, and a step without constrained rows nothing."""
+
+    def __init__(self, load: Callable[[], Grammars]):
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar")
+        self._grammars = self._pool.submit(load)  # the ~1 s tokenizer build, in the background
+        self.matchers: dict[int, Future | llguidance.LLMatcher] = {}
+        self.unread: dict[int, tuple[mx.array, int]] = {}
+
+    def __contains__(self, row: int) -> bool:
+        return row in self.matchers
+
+    def admit(self, row: int, constraint: Constraint, output: Sequence[int] = ()) -> None:
+        """A matcher for the row, advanced over what it generated already (a resumed row)."""
+        self.release(row)
+        self.matchers[row] = self._pool.submit(self._make, constraint, list(output))
+
+    def _make(self, constraint: Constraint, output: list[int]) -> llguidance.LLMatcher:
+        m = self._grammars.result().matcher(constraint)
+        for t in output:
+            m.consume_token(t)
+        return m
+
+    def release(self, row: int) -> None:
+        self.matchers.pop(row, None)
+        self.unread.pop(row, None)
+
+    def drew(self, rows: Sequence[int], tokens: mx.array) -> None:
+        """Sampled rows' tokens (lazy, [len(rows)]); the constrained ones are read later."""
+        for i, row in enumerate(rows):
+            if row in self.matchers:
+                self.unread[row] = (tokens, i)
+
+    def next_masks(self, rows: Sequence[int], ends: Sequence[Sequence[int]]) -> np.ndarray:
+        """The bit masks of `rows` (all constrained) for the token each draws next."""
+        if any(r in self.unread for r in rows):
+            before_host_sync()  # the last step is read back first: its tokens are ready
+        values: dict[int, list[int]] = {}
+        matchers = []
+        for row in rows:
+            m = self.matchers[row]
+            if isinstance(m, Future):
+                m = self.matchers[row] = m.result()
+            if row in self.unread:
+                tokens, i = self.unread.pop(row)
+                got = values.get(id(tokens))
+                if got is None:
+                    got = values[id(tokens)] = tokens.tolist()
+                if not m.is_stopped():  # stopped: only an end was allowed, and it came
+                    m.consume_token(got[i])
+            matchers.append(m)
+        return self._grammars.result().masks(matchers, ends)
 
 
 def allowed(bitmask: np.ndarray, vocab: int) -> mx.array:

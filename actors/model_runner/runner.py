@@ -16,6 +16,7 @@ from __future__ import annotations
 import time
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import mlx.core as mx
@@ -24,6 +25,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from actors.model_runner import cpu
 from actors.model_runner.cpu import greedy_head, head
+from actors.model_runner.grammar import Constraint, RowMatchers, grammars_for
 from actors.model_runner.layers import Layers, classify
 from actors.model_runner.pipeline import before_host_sync
 from actors.model_runner.rows import Rows, StepError
@@ -50,11 +52,17 @@ class Launched:
 class ModelRunner:
     def __init__(self, model: nn.Module, max_rows: int, kv_slots: int = 0, state_slots: int = 0,
                  vocab_size: int = 0, eos_ids: list[int] = (),
-                 runtime: RuntimeConfig = RuntimeConfig()):
+                 runtime: RuntimeConfig = RuntimeConfig(), tokenizer_dir: str | None = None):
+        """tokenizer_dir: where tokenizer.json is, for constrained rows' grammars (none: a
+        constrained row is refused)."""
         self.model = model
         self.layers = Layers.of(classify(model))  # first: a model it cannot serve is refused
         self.eos_ids = tuple(eos_ids)
-        self.sampler = Sampler(vocab_size or self._vocab_width(), max_rows)
+        vocab = vocab_size or self._vocab_width()
+        grammar = None
+        if tokenizer_dir is not None and self.eos_ids:
+            grammar = RowMatchers(partial(grammars_for, tokenizer_dir, vocab, self.eos_ids[0]))
+        self.sampler = Sampler(vocab, max_rows, grammar=grammar)
         self.cpu = cpu.install(model, runtime, self.sampler.vocab)
         kv = KvPool(self.layers.full, kv_slots) if kv_slots else None
         if kv is not None:
@@ -139,7 +147,9 @@ class ModelRunner:
             presence_penalty=p.presence_penalty,
             logit_bias=tuple(zip(p.bias_ids, p.bias_values)), seed=p.seed,
             min_new_tokens=p.min_new_tokens, stop_ids=stops, top_logprobs=p.top_logprobs,
-            logprobs=p.logprobs), ids[:cut], output=output)
+            logprobs=p.logprobs,
+            constraint=Constraint(p.constraint_kind, p.constraint) if p.constraint_kind
+            else None), ids[:cut], output=output)
 
     # -- the forward ---------------------------------------------------------------------------
 

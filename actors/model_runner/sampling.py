@@ -5,7 +5,9 @@
    positive logit is divided by p, a negative one multiplied), then frequency and presence
    (OpenAI: generated tokens only, `logit -= f * count + p * (count > 0)`);
 2. logit_bias, added;
-3. stop_ids at -inf while fewer than min_new_tokens tokens were generated;
+3. stop_ids at -inf while fewer than min_new_tokens tokens were generated; a constrained row
+   (a JSON schema, a regex, a grammar: grammar.py) instead gets every token its grammar forbids
+   at -inf (its stop ids only where the grammar may end: the grammar decides when it ends);
 4. greedy rows (temperature 0) take the argmax. Sampled rows are divided by their temperature,
    then filtered (filters.py): top_k, top_p (on the top_k-renormalized distribution), min_p;
    then one Gumbel-max draw, an exact sample from the softmax of what is left.
@@ -28,6 +30,7 @@ import mlx.core as mx
 import numpy as np
 
 from actors.model_runner.filters import apply_filters
+from actors.model_runner.grammar import Constraint, RowMatchers, apply_masks
 
 MAX_TOP_LOGPROBS = 20
 _U64 = (1 << 64) - 1
@@ -48,6 +51,7 @@ class RowParams:
     stop_ids: tuple[int, ...] = ()
     top_logprobs: int = 0  # 0..20 alternatives to report
     logprobs: bool = False  # report the chosen token's logprob
+    constraint: Constraint | None = None  # the output must match it (grammar.py)
 
 
 @dataclass
@@ -117,8 +121,10 @@ class Sampler:
     """Per-row params and history for request-pool rows 0..max_rows (the runner's row 0 is
     padding). Rows in one `sample` call are distinct."""
 
-    def __init__(self, vocab_size: int, max_rows: int, seed: int | None = None):
+    def __init__(self, vocab_size: int, max_rows: int, seed: int | None = None,
+                 grammar: RowMatchers | None = None):
         self.vocab = vocab_size
+        self.grammar = grammar  # None: constraints are refused (no tokenizer to mask with)
         self.params: dict[int, RowParams] = {}
         n = max_rows + 1
         # numpy columns make the per-call fast-path test a few vectorized lookups.
@@ -142,11 +148,17 @@ class Sampler:
         penalties, min_new_tokens and seeded draws go on where they stopped."""
         _check(params, self.vocab)
         p = params
+        if p.constraint is not None:
+            if self.grammar is None:
+                raise ValueError("a constrained row, and no tokenizer to build its grammar with")
+            self.grammar.admit(row, p.constraint, output)
+        elif self.grammar is not None:
+            self.grammar.release(row)
         penalized = p.repetition_penalty != 1 or p.frequency_penalty or p.presence_penalty
         self.params[row] = p
         self.live[row] = True
         self.plain[row] = not (p.temperature > 0 or penalized or p.logit_bias or p.logprobs
-                               or p.top_logprobs)
+                               or p.top_logprobs or p.constraint is not None)
         self.generated[row] = len(output)
         self.mask_until[row] = p.min_new_tokens if p.stop_ids else 0
         self.counts.pop(row, None)
@@ -164,6 +176,8 @@ class Sampler:
         self.counts.pop(row, None)
         self.prompt_seen.pop(row, None)
         self.live[row] = False
+        if self.grammar is not None:
+            self.grammar.release(row)
 
     def sample(self, rows: list[int], logits: mx.array) -> Sampled:
         """logits [len(rows), V] for those rows, in that order."""
@@ -209,7 +223,8 @@ class Sampler:
 
     def process(self, rows: list[int], logits: mx.array) -> mx.array:
         """Steps 1-3 of the module docstring from the rows' current history: float32 logits
-        [n, V] before temperature. Changes nothing."""
+        [n, V] before temperature. Changes nothing but the constrained rows' matchers, which read
+        the token each drew last."""
         x = logits.astype(mx.float32)
         ps = [self.params[r] for r in rows]
         pen = [i for i, r in enumerate(rows) if r in self.counts]
@@ -231,10 +246,20 @@ class Sampler:
             r, t, v = zip(*bias)
             x = x.at[mx.array(r), mx.array(t)].add(mx.array(v, mx.float32))
         masked = [(i, t) for i, (row, p) in enumerate(zip(rows, ps))
-                  if self.generated[row] < self.mask_until[row] for t in p.stop_ids]
+                  if self.generated[row] < self.mask_until[row] and p.constraint is None
+                  for t in p.stop_ids]
         if masked:
             r, t = zip(*masked)
             x[mx.array(r), mx.array(t)] = -mx.inf
+        held = [i for i, p in enumerate(ps) if p.constraint is not None]
+        if held:
+            bits = self.grammar.next_masks([rows[i] for i in held],
+                                           [ps[i].stop_ids for i in held])
+            if len(held) == len(rows):
+                x = apply_masks(x, bits)
+            else:
+                at = mx.array(held)
+                x[at] = apply_masks(x[at], bits)
         return x
 
     def _sample_full(self, rows: list[int], idx: np.ndarray, logits: mx.array) -> Pending:
@@ -288,6 +313,8 @@ class Sampler:
 
     def _record(self, rows: list[int], idx: np.ndarray, tokens: mx.array) -> None:
         self.generated[idx] += 1
+        if self.grammar is not None:
+            self.grammar.drew(rows, tokens)
         for i, row in enumerate(rows):
             if row in self.counts:  # lazily: the token is not read back here
                 self.counts[row] = self.counts[row].at[tokens[i]].add(1.0)

@@ -9,14 +9,14 @@ from protocol import messages as m
 
 
 def drive(sched, runner, arrivals, depth=1, ticks=3000):
-    """arrivals: step -> [(rid, ids, max_new[, group])]. depth 2 plays the overlap loop: step
+    """arrivals: step -> [(rid, ids, max_new or SamplingParams[, group])]. depth 2 plays the overlap loop: step
     N+1 is built before step N's result is processed. Returns (rid -> tokens, rid -> Finish,
     the ForwardBatches sent); every request finished once, nothing leaked."""
     tokens, finished, results, batches = {}, {}, deque(), []
     for tick in range(ticks):
         for rid, ids, n, *group in arrivals.get(tick, []):
-            sched.add(rid, ids, m.SamplingParams(max_new_tokens=n),
-                      group=group[0] if group else "")
+            params = n if isinstance(n, m.SamplingParams) else m.SamplingParams(max_new_tokens=n)
+            sched.add(rid, ids, params, group=group[0] if group else "")
         while len(sched.futures) < depth and (batch := sched.schedule()) is not None:
             batches.append(batch)
             results.append(runner.step(batch))
