@@ -175,8 +175,8 @@ class SamplingParams(Plain):
     stop: list[str] = []
     logprobs: bool = False
     top_logprobs: int = 0
-    # A constraint on the output (actors/model_runner/grammar.py KINDS), checked by the
-    # tokenizer: its kind ("" none) and source.
+    # A constraint on the output: its kind ("" none; actors/constraints.py KINDS) and the
+    # llguidance grammar the tokenizer compiled it to (the runner builds matchers from it).
     constraint_kind: str = ""
     constraint: str = ""
 

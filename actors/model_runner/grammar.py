@@ -1,6 +1,6 @@
-"""Constrained decoding (issue L): a request's constraint (a JSON schema, any JSON object, a
-regex, a Lark/EBNF grammar) compiled by llguidance for this model's tokenizer, one matcher per
-constrained row, and a step's allowed-token masks applied to the batch's logits in MLX.
+"""Constrained decoding (issue L), the runner's side: the llguidance tokenizer of the served
+model, one matcher per constrained row, and a step's allowed-token masks applied to the batch's
+logits in MLX. What a constraint is and how it compiles: actors/constraints.py.
 
 llguidance over xgrammar and outlines-core: it reads the tokenizer.json we ship, needs no torch,
 and on this CPU builds Qwen's 151,936-token tokenizer once (~1 s), compiles a JSON schema in ~1
@@ -9,9 +9,7 @@ ms and computes a row's next mask in 5-200 us (`benchmarks/kernels`-style number
 
 from __future__ import annotations
 
-import json
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 from typing import Callable, Sequence
@@ -20,57 +18,9 @@ import llguidance
 import mlx.core as mx
 import numpy as np
 
+from actors.constraints import GrammarError
 from actors.model_runner.pipeline import before_host_sync
 
-KINDS = ("json_schema", "json_object", "regex", "lark")
-
-
-class GrammarError(ValueError):
-    """A constraint the grammar library refuses, with its reason."""
-
-
-@dataclass(frozen=True)
-class Constraint:
-    kind: str  # one of KINDS
-    source: str  # the schema (JSON text), the regex or the grammar; "" for json_object
-
-
-# No free whitespace between JSON tokens (a schema's "x-guidance" may ask for it): a model that
-# likes spaces, or a random one, would otherwise pad forever; separators as json.dumps writes.
-JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
-
-
-def _grammar(kind: str, source: str) -> str:
-    if kind == "json_schema":
-        try:
-            json.loads(source)
-        except ValueError as e:
-            raise GrammarError(f"json_schema is not JSON: {e}") from None
-        return llguidance.LLMatcher.grammar_from_json_schema(source, defaults=JSON_OPTIONS)
-    if kind == "json_object":
-        return llguidance.LLMatcher.grammar_from_json_schema('{"type": "object"}',
-                                                             defaults=JSON_OPTIONS)
-    if kind == "regex":
-        return llguidance.LLMatcher.grammar_from_regex(source)
-    if kind == "lark":
-        return llguidance.LLMatcher.grammar_from_lark(source)
-    raise GrammarError(f"unknown constraint kind {kind!r} (one of {', '.join(KINDS)})")
-
-
-@lru_cache(maxsize=256)
-def compile_constraint(kind: str, source: str) -> str:
-    """The llguidance grammar of a constraint, checked; cached by (kind, source). GrammarError
-    names what the library refused."""
-    try:
-        grammar = _grammar(kind, source)
-    except GrammarError:
-        raise
-    except ValueError as e:  # a schema that is not a JSON object
-        raise GrammarError(f"{kind} refused: {e}") from None
-    message = llguidance.LLMatcher.validate_grammar(grammar, None)
-    if message and not message.startswith("WARNING"):
-        raise GrammarError(f"{kind} refused: {message}")
-    return grammar
 
 
 class Grammars:
@@ -82,11 +32,11 @@ class Grammars:
         self.tokenizer = llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size,
                                                 eos_token=eos_id)
 
-    def matcher(self, constraint: Constraint) -> llguidance.LLMatcher:
-        m = llguidance.LLMatcher(self.tokenizer,
-                                 compile_constraint(constraint.kind, constraint.source))
+    def matcher(self, grammar: str) -> llguidance.LLMatcher:
+        """A matcher at the start of a compiled grammar (constraints.compile_constraint)."""
+        m = llguidance.LLMatcher(self.tokenizer, grammar)
         if m.is_error():
-            raise GrammarError(f"{constraint.kind} refused: {m.get_error()}")
+            raise GrammarError(f"grammar refused: {m.get_error()}")
         return m
 
     def masks(self, matchers: list[llguidance.LLMatcher],
@@ -140,13 +90,13 @@ class RowMatchers:
     def __contains__(self, row: int) -> bool:
         return row in self.matchers
 
-    def admit(self, row: int, constraint: Constraint, output: Sequence[int] = ()) -> None:
+    def admit(self, row: int, grammar: str, output: Sequence[int] = ()) -> None:
         """A matcher for the row, advanced over what it generated already (a resumed row)."""
         self.release(row)
-        self.matchers[row] = self._pool.submit(self._make, constraint, list(output))
+        self.matchers[row] = self._pool.submit(self._make, grammar, list(output))
 
-    def _make(self, constraint: Constraint, output: list[int]) -> llguidance.LLMatcher:
-        m = self._grammars.result().matcher(constraint)
+    def _make(self, grammar: str, output: list[int]) -> llguidance.LLMatcher:
+        m = self._grammars.result().matcher(grammar)
         for t in output:
             m.consume_token(t)
         return m

@@ -25,7 +25,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from actors.model_runner import cpu
 from actors.model_runner.cpu import greedy_head, head
-from actors.model_runner.grammar import Constraint, RowMatchers, grammars_for
+from actors.model_runner.grammar import RowMatchers, grammars_for
 from actors.model_runner.layers import Layers, classify
 from actors.model_runner.pipeline import before_host_sync
 from actors.model_runner.rows import Rows, StepError
@@ -148,8 +148,7 @@ class ModelRunner:
             logit_bias=tuple(zip(p.bias_ids, p.bias_values)), seed=p.seed,
             min_new_tokens=p.min_new_tokens, stop_ids=stops, top_logprobs=p.top_logprobs,
             logprobs=p.logprobs,
-            constraint=Constraint(p.constraint_kind, p.constraint) if p.constraint_kind
-            else None), ids[:cut], output=output)
+            constraint=p.constraint or None), ids[:cut], output=output)
 
     # -- the forward ---------------------------------------------------------------------------
 

@@ -30,7 +30,7 @@ import mlx.core as mx
 import numpy as np
 
 from actors.model_runner.filters import apply_filters
-from actors.model_runner.grammar import Constraint, RowMatchers, apply_masks
+from actors.model_runner.grammar import RowMatchers, apply_masks
 
 MAX_TOP_LOGPROBS = 20
 _U64 = (1 << 64) - 1
@@ -51,7 +51,7 @@ class RowParams:
     stop_ids: tuple[int, ...] = ()
     top_logprobs: int = 0  # 0..20 alternatives to report
     logprobs: bool = False  # report the chosen token's logprob
-    constraint: Constraint | None = None  # the output must match it (grammar.py)
+    constraint: str | None = None  # a compiled grammar the output must match (grammar.py)
 
 
 @dataclass

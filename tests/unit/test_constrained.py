@@ -11,6 +11,7 @@ import re
 import jsonschema
 import pytest
 
+from actors.constraints import compile_constraint
 from actors.model_runner.loading import load_model
 from actors.model_runner.runner import ModelRunner
 from actors.scheduler.core import Scheduler
@@ -49,17 +50,21 @@ def _text(oracle, info, tokens, finish):
     return oracle.tokenizer.decode(tokens[:-1])
 
 
+def _params(kind, source="", max_new_tokens=200):
+    return m.SamplingParams(max_new_tokens=max_new_tokens, constraint_kind=kind,
+                            constraint=compile_constraint(kind, source))
+
+
 def _schema(k):
-    return m.SamplingParams(max_new_tokens=200, constraint_kind="json_schema",
-                            constraint=json.dumps(SCHEMAS[k]))
+    return _params("json_schema", json.dumps(SCHEMAS[k]))
 
 
 @pytest.mark.parametrize("depth", [1, 2], ids=["plain", "overlap"])
 def test_constrained_rows_match_and_their_neighbours_keep_greedy_tokens(setup, depth):
     path, oracle, info = setup
     ids = [oracle.tokenizer.encode(p) for p in PROMPTS]
-    regex = m.SamplingParams(max_new_tokens=40, constraint_kind="regex", constraint=DATE)
-    anything = m.SamplingParams(max_new_tokens=200, constraint_kind="json_object")
+    regex = _params("regex", DATE, max_new_tokens=40)
+    anything = _params("json_object")
     arrivals = {0: [("plain0", ids[0], 12), ("json0", ids[1], _schema(0))],
                 2: [("regex", ids[2], regex), ("plain1", ids[3], 9)],
                 5: [("json1", ids[0], _schema(1)), ("object", ids[3], anything)]}

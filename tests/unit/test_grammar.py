@@ -8,12 +8,13 @@ import json
 import re
 
 import jsonschema
+import llguidance
 import mlx.core as mx
 import numpy as np
 import pytest
 
-from actors.model_runner.grammar import (Constraint, GrammarError, Grammars, allowed,
-                                         apply_masks, compile_constraint)
+from actors.constraints import GrammarError, compile_constraint
+from actors.model_runner.grammar import Grammars, allowed, apply_masks
 from models.builtin import ensure_builtin
 from models.info import read_model_info
 
@@ -40,10 +41,13 @@ def grammars(model_cache):
     return Grammars((path / "tokenizer.json").read_text(), info.vocab_size, info.eos_ids[0])
 
 
-def _sample(grammars: Grammars, constraint: Constraint, seed: int, limit: int = 400) -> str:
+TOOL_TAGS = frozenset({"<tool_call>", "</tool_call>"})
+
+
+def _sample(grammars: Grammars, constraint: tuple[str, str], seed: int, limit: int = 400) -> str:
     """Random logits, masked, argmax, until the matcher stops: the text it let through."""
     rng = np.random.default_rng(seed)
-    m = grammars.matcher(constraint)
+    m = grammars.matcher(compile_constraint(*constraint))
     eos = grammars.tokenizer.eos_token
     ids = []
     for _ in range(limit):
@@ -64,19 +68,19 @@ def _sample(grammars: Grammars, constraint: Constraint, seed: int, limit: int = 
 @pytest.mark.parametrize("schema", SCHEMAS)
 def test_json_schema_rows_end_in_json_that_validates(grammars, schema):
     for seed in range(3):
-        text = _sample(grammars, Constraint("json_schema", json.dumps(schema)), seed)
+        text = _sample(grammars, ("json_schema", json.dumps(schema)), seed)
         jsonschema.validate(json.loads(text), schema)
 
 
 def test_json_object_and_regex_rows_end_in_what_they_ask_for(grammars):
-    assert isinstance(json.loads(_sample(grammars, Constraint("json_object", ""), 1,
+    assert isinstance(json.loads(_sample(grammars, ("json_object", ""), 1,
                                          limit=2000)), dict)
     pattern = r"(yes|no), [0-9]{3}"
-    assert re.fullmatch(pattern, _sample(grammars, Constraint("regex", pattern), 2))
+    assert re.fullmatch(pattern, _sample(grammars, ("regex", pattern), 2))
 
 
 def test_masks_forbid_exactly_the_tokens_whose_bit_is_clear(grammars):
-    m = grammars.matcher(Constraint("regex", "[0-9]+"))
+    m = grammars.matcher(compile_constraint("regex", "[0-9]+"))
     bitmask = grammars.masks([m])
     bits = np.unpackbits(bitmask.view(np.uint8), bitorder="little")[:grammars.vocab_size]
     keep = np.array(allowed(bitmask, grammars.vocab_size))[0]
@@ -89,14 +93,52 @@ def test_masks_forbid_exactly_the_tokens_whose_bit_is_clear(grammars):
     assert np.all(out[keep] == 0) and np.all(np.isneginf(out[~keep]))
 
 
+@pytest.mark.parametrize("grammar", [
+    'root ::= ("yes" | "no") ", " [0-9] [0-9] [0-9]',  # GBNF, as llama.cpp writes it
+    'start: ("yes" | "no") ", " /[0-9]{3}/',  # llguidance's Lark
+])
+def test_ebnf_rows_end_in_what_the_grammar_derives(grammars, grammar):
+    for seed in range(3):
+        assert re.fullmatch(r"(yes|no), [0-9]{3}",
+                            _sample(grammars, ("ebnf", grammar), seed))
+
+
+def test_structural_tag_rows_keep_each_triggered_call_to_its_schema(grammars):
+    """Free text, where each `<tool_call>` begins a body that follows the schema."""
+    schema = {"type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]}},
+              "required": ["city"], "additionalProperties": False}
+    tag = {"structures": [{"begin": "<tool_call>", "schema": schema, "end": "</tool_call>"}],
+           "triggers": ["<tool_call>"]}
+    grammar = compile_constraint("structural_tag", json.dumps(tag), TOOL_TAGS)
+    m = llguidance.LLMatcher(grammars.tokenizer, grammar)
+    text = grammars.tokenizer.tokenize_str
+    special = grammars.tokenizer.tokenize_str("<tool_call>", parse_special=True)
+    assert len(special) == 1
+    for t in text("Let me look. "):
+        assert m.consume_token(t), m.get_error()
+    assert m.consume_token(special[0])
+    keep = np.array(allowed(grammars.masks([m]), grammars.vocab_size))[0]
+    assert keep[text("{")[0]] and not keep[text("Hello")[0]]
+    body = text('{"city": "Oslo"}')
+    for t in body:
+        assert m.consume_token(t), m.get_error()
+    end = grammars.tokenizer.tokenize_str("</tool_call>", parse_special=True)
+    assert m.consume_token(end[0]), m.get_error()
+    assert m.is_accepting()
+
+
 @pytest.mark.parametrize("kind,source,reason", [
     ("json_schema", "{not json", "not JSON"),
     ("json_schema", '{"type": "object", "properties": {"a": {"$ref": "#/nowhere"}}}', "refused"),
     ("regex", "(unclosed", "refused"),
-    ("lark", "start: undefined_rule", "refused"),
+    ("ebnf", "start: undefined_rule", "refused"),
+    ("ebnf", "root ::= (", "refused"),
+    ("structural_tag", '{"structures": [{"begin": "<f>", "end": "</f>"}], "triggers": ["<g"]}',
+     "no trigger starts"),
+    ("json_schema", "[1, 2]", "must be a JSON object"),
     ("xml", "", "unknown constraint kind"),
 ])
 def test_constraints_the_library_refuses_are_named(grammars, kind, source, reason):
     with pytest.raises(GrammarError, match=reason):
         compile_constraint(kind, source)
-        grammars.matcher(Constraint(kind, source))
+        grammars.matcher(compile_constraint(kind, source))
