@@ -30,6 +30,13 @@ class TextTokenizer:
             return self._fast.encode(text, add_special_tokens=add_special_tokens).ids
         return self.hf.encode(text, add_special_tokens=add_special_tokens)
 
+    def specials(self) -> frozenset[str]:
+        """The special tokens' texts (grammars name them as tokens: `<tool_call>`)."""
+        if self._fast is not None:
+            added = self._fast.get_added_tokens_decoder().values()
+            return frozenset(t.content for t in added if t.special)
+        return frozenset(self.hf.all_special_tokens)
+
     def decode(self, ids: list[int]) -> str:
         if self._fast is not None:
             return self._fast.decode(ids, skip_special_tokens=False)

@@ -106,6 +106,9 @@ class GenerateRequest(ClientWire, tag=_tag("GenerateRequest")):
     json_schema: str = ""
     regex: str = ""
     ebnf: str = ""
+    # Free text in which each trigger starts a structure whose body follows its schema:
+    # {"structures": [{"begin": ..., "schema": {...}, "end": ...}], "triggers": [...]} as JSON.
+    structural_tag: str = ""
 
 
 class AbortRequest(ClientWire, tag=_tag("AbortRequest")):

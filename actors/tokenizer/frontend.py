@@ -13,12 +13,15 @@ from __future__ import annotations
 import hmac
 import itertools
 import os
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as CompileTimeout
 from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
 import structlog
 
+from actors.constraints import GrammarError, compile_constraint
 from models.info import ModelInfo
 from actors.tokenizer.intake import RequestError, check_request, decode_frame
 from actors.tokenizer.router import Router
@@ -64,6 +67,10 @@ class Frontend:
         self.refusal = "server is shutting down"
         self._ids = itertools.count(1)
         self._prefix = f"{os.getpid():x}"
+        # Grammars compile on a thread of their own, so that one taking too long is refused
+        # after limits.grammar_timeout_s (llguidance compiles lazily: ~0.1 ms for a schema).
+        self._compiler = ThreadPoolExecutor(1, thread_name_prefix="grammar")
+        self._specials: frozenset[str] | None = None
 
     # -- from clients ------------------------------------------------------------------------
 
@@ -154,6 +161,7 @@ class Frontend:
                                param="req_id")
         ids = self.tokenize(req)
         self._check_params(req)
+        constraint = self.constraint(req)
         if len(ids) >= self.model.context_length:
             raise RequestError(f"prompt has {len(ids)} tokens; the model's context is "
                                f"{self.model.context_length} tokens, output included")
@@ -161,7 +169,8 @@ class Frontend:
         group = f"{identity.hex()}/{req.group}" if req.group else ""
         # Encoded before the request is registered: nothing after this line can fail.
         data = encode(m.TokenizedRequest(rid=rid, input_ids=pack_ids(ids),
-                                         params=sampling_params(req), group=group))
+                                         params=sampling_params(req, *constraint),
+                                         group=group))
         route = self.router.route(ids, group)
         self.open[rid] = Open(rid, identity, req.req_id, req.stream, len(ids), now,
                               replica=route.replica, group=group)
@@ -187,6 +196,31 @@ class Frontend:
                                f"max_new_tokens ({req.max_new_tokens})", param="min_new_tokens")
         if any(not s for s in req.stop):
             raise RequestError("stop: a stop string must not be empty", param="stop")
+
+    def constraint(self, req: m.GenerateRequest) -> tuple[str, str]:
+        """The request's constraint as (kind, compiled grammar), ("", "") for none;
+        RequestError naming the field the grammar library refused or took too long on."""
+        given = [(kind, source) for kind, source in (
+            ("json_schema", req.json_schema), ("regex", req.regex), ("ebnf", req.ebnf),
+            ("structural_tag", req.structural_tag)) if source]
+        if not given:
+            return "", ""
+        if len(given) > 1:
+            raise RequestError(f"give at most one of json_schema, regex, ebnf and "
+                               f"structural_tag, not {' and '.join(k for k, _ in given)}",
+                               param=given[1][0])
+        kind, source = given[0]
+        if self._specials is None:
+            self._specials = self.tokenizer.specials()
+        job = self._compiler.submit(compile_constraint, kind, source, self._specials)
+        timeout = self.limits.grammar_timeout_s
+        try:
+            return kind, job.result(timeout=timeout)
+        except GrammarError as e:
+            raise RequestError(f"{kind}: {e}", param=kind) from None
+        except CompileTimeout:
+            raise RequestError(f"{kind}: did not compile within limits.grammar_timeout_s "
+                               f"({timeout:g} s)", param=kind) from None
 
     def tokenize(self, req: m.GenerateRequest) -> list[int]:
         """A request's prompt tokens (its text, token ids or chat messages rendered by the
@@ -279,7 +313,9 @@ class Frontend:
         return replies
 
 
-def sampling_params(req: m.GenerateRequest) -> m.SamplingParams:
+def sampling_params(req: m.GenerateRequest, constraint_kind: str = "",
+                    constraint: str = "") -> m.SamplingParams:
+    """constraint: the compiled grammar of the request's constraint (Frontend.constraint)."""
     return m.SamplingParams(
         max_new_tokens=req.max_new_tokens, temperature=req.temperature,
         stop_token_ids=list(req.stop_token_ids), ignore_eos=req.ignore_eos, top_p=req.top_p,
@@ -288,7 +324,7 @@ def sampling_params(req: m.GenerateRequest) -> m.SamplingParams:
         bias_ids=list(req.logit_bias), bias_values=list(req.logit_bias.values()),
         seed=-1 if req.seed is None else req.seed, min_new_tokens=req.min_new_tokens,
         stop=list(req.stop), logprobs=req.logprobs or req.top_logprobs > 0,
-        top_logprobs=req.top_logprobs)
+        top_logprobs=req.top_logprobs, constraint_kind=constraint_kind, constraint=constraint)
 
 
 def _guess_req_id(payload: bytes) -> str:

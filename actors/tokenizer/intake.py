@@ -84,6 +84,8 @@ def check_request(req: m.GenerateRequest, limits: LimitsConfig) -> None:
     """The limits the schema cannot state: lengths of every string and list, and the depth of
     free-form values. Both APIs call it on the GenerateRequest they built."""
     _check_strings([("req_id", req.req_id), ("prompt", req.prompt), ("group", req.group),
+                    ("json_schema", req.json_schema), ("regex", req.regex), ("ebnf", req.ebnf),
+                    ("structural_tag", req.structural_tag),
                     *(("stop", s) for s in req.stop),
                     *(("messages", c.role) for c in req.messages),
                     *(("messages", c.content) for c in req.messages)], limits)

@@ -8,6 +8,7 @@ and refuse the rest with the same limits (errors name the OpenAI field).
 
 from __future__ import annotations
 
+import json
 import uuid
 from dataclasses import dataclass
 from typing import Annotated, Any, Callable
@@ -26,6 +27,22 @@ _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_f
 def error_body(status: int, message: str, param: str | None) -> dict[str, Any]:
     return {"error": {"message": message, "type": _TYPES.get(status, "server_error"),
                       "param": param, "code": status}}
+
+
+class JsonSchemaFormat(msgspec.Struct, kw_only=True):
+    name: str = ""
+    description: str = ""
+    schema: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ResponseFormat(msgspec.Struct, kw_only=True):
+    """OpenAI's response_format, and sglang's structural_tag form of it."""
+
+    type: str
+    json_schema: JsonSchemaFormat | None = None
+    structures: list[dict[str, Any]] | None = None  # type structural_tag
+    triggers: list[str] | None = None
 
 
 class _Common(msgspec.Struct, kw_only=True):
@@ -50,6 +67,35 @@ class _Common(msgspec.Struct, kw_only=True):
     min_tokens: int = 0
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
+    response_format: ResponseFormat | None = None
+    regex: str | None = None  # sglang's extras: the output matches this regex,
+    ebnf: str | None = None  # or this grammar (Lark as llguidance reads it, or GBNF)
+
+
+def _constraint(c: _Common) -> dict[str, str]:
+    """The GenerateRequest's constraint fields for the body's response_format / regex / ebnf;
+    RequestError naming the field when it is not one we take."""
+    out = {k: v for k, v in (("regex", c.regex), ("ebnf", c.ebnf)) if v}
+    f = c.response_format
+    if f is None or f.type == "text":
+        return out
+    if f.type == "json_object":
+        out["json_schema"] = '{"type": "object"}'
+    elif f.type == "json_schema":
+        if f.json_schema is None or f.json_schema.schema is None:
+            raise RequestError("response_format: type json_schema needs json_schema.schema",
+                               param="response_format")
+        out["json_schema"] = json.dumps(f.json_schema.schema)
+    elif f.type == "structural_tag":
+        out["structural_tag"] = json.dumps({"structures": f.structures or [],
+                                            "triggers": f.triggers or []})
+    else:
+        raise RequestError(f"response_format: type {f.type[:40]!r} is not one of text, "
+                           "json_object, json_schema, structural_tag", param="response_format")
+    if len(out) > 1:
+        raise RequestError(f"give one of response_format, regex and ebnf, not "
+                           f"{' and '.join(sorted(out))}", param="response_format")
+    return out
 
 
 class CompletionBody(_Common, kw_only=True):
@@ -106,6 +152,7 @@ def _requests(c: _Common, max_new: int | None, prompt: dict[str, Any], logprobs:
     except ValueError:
         raise RequestError("logit_bias keys must be token ids", param="logit_bias") from None
     base = "http-" + uuid.uuid4().hex[:16]
+    constraint = _constraint(c)
     reqs = [_build(dict(
         req_id=f"{base}-{k}", **prompt, max_new_tokens=max_new, temperature=c.temperature,
         top_p=c.top_p, top_k=max(c.top_k, 0), min_p=c.min_p,
@@ -115,7 +162,7 @@ def _requests(c: _Common, max_new: int | None, prompt: dict[str, Any], logprobs:
         seed=None if c.seed is None else c.seed + k, stop=stops,
         stop_token_ids=list(c.stop_token_ids or []), ignore_eos=c.ignore_eos,
         min_new_tokens=c.min_tokens, logprobs=logprobs, top_logprobs=top, stream=c.stream,
-        group=base if c.n > 1 else ""), names)
+        group=base if c.n > 1 else "", **constraint), names)
         for k in range(c.n)]
     include_usage = bool((c.stream_options or {}).get("include_usage"))
     return reqs, {"stream": c.stream, "include_usage": include_usage, "logprobs": logprobs}
