@@ -32,7 +32,7 @@ from tqdm import tqdm
 from models.qwen_bpe import VOCABS, write_tokenizer
 
 # Bump when the build itself changes (init rules, file layout): every cached model then rebuilds.
-BUILD_VERSION = 2
+BUILD_VERSION = 3  # 3: the chat template speaks tools and thinking
 
 
 @dataclass(frozen=True)

@@ -32,12 +32,50 @@ QWEN3_5_SPECIALS = QWEN3_SPECIALS + (
     "<tts_text_bos_single>", "<|audio_pad|>",
 )  # fmt: skip
 
-# ChatML, the format every Qwen chat model speaks: one block per message, then the assistant's header.
+# ChatML, the format every Qwen chat model speaks: one block per message, then the assistant's
+# header. Qwen3's additions, written for the built-ins: tools listed in the system turn, an
+# assistant's tool calls as <tool_call> blocks of JSON, tool results as <tool_response> blocks
+# in a user turn, and `enable_thinking=False` closing an empty <think> block in the prompt.
 CHAT_TEMPLATE = (
+    "{%- if tools %}"
+    "{{- '<|im_start|>system\\n' }}"
+    "{%- if messages and messages[0]['role'] == 'system' %}"
+    "{{- messages[0]['content'] + '\\n\\n' }}{%- endif %}"
+    "{{- '# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\\n<tools>' }}"
+    "{%- for tool in tools %}{{- '\\n' + (tool | tojson) }}{%- endfor %}"
+    "{{- '\\n</tools>\\n\\nFor each function call, return a json object with function name "
+    "and arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\"name\": "
+    "<function-name>, \"arguments\": <args-json-object>}\\n</tool_call><|im_end|>\\n' }}"
+    "{%- endif %}"
     "{%- for message in messages %}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- set content = message['content'] or '' %}"
+    "{%- if message['role'] == 'system' and tools and loop.first %}"
+    "{%- elif message['role'] == 'assistant' %}"
+    "{{- '<|im_start|>assistant\\n' + content }}"
+    "{%- for call in message.get('tool_calls') or [] %}"
+    "{%- set f = call['function'] if call['function'] is defined else call %}"
+    "{%- if content or not loop.first %}{{- '\\n' }}{%- endif %}"
+    "{{- '<tool_call>\\n{\"name\": \"' + f['name'] + '\", \"arguments\": ' }}"
+    "{%- if f['arguments'] is string %}{{- f['arguments'] }}"
+    "{%- else %}{{- f['arguments'] | tojson }}{%- endif %}"
+    "{{- '}\\n</tool_call>' }}"
     "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- elif message['role'] == 'tool' %}"
+    "{%- if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}"
+    "{{- '<|im_start|>user' }}{%- endif %}"
+    "{{- '\\n<tool_response>\\n' + content + '\\n</tool_response>' }}"
+    "{%- if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}"
+    "{{- '<|im_end|>\\n' }}{%- endif %}"
+    "{%- else %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + content + '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and not enable_thinking %}"
+    "{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}"
+    "{%- endif %}"
 )
 
 

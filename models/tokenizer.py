@@ -31,11 +31,11 @@ class TextTokenizer:
         return self.hf.encode(text, add_special_tokens=add_special_tokens)
 
     def specials(self) -> frozenset[str]:
-        """The special tokens' texts (grammars name them as tokens: `<tool_call>`)."""
+        """The added tokens' texts (`<tool_call>`, `<|im_end|>`...): a grammar names them as
+        tokens, since the grammar library reads every added token as one, never as text."""
         if self._fast is not None:
-            added = self._fast.get_added_tokens_decoder().values()
-            return frozenset(t.content for t in added if t.special)
-        return frozenset(self.hf.all_special_tokens)
+            return frozenset(t.content for t in self._fast.get_added_tokens_decoder().values())
+        return frozenset(self.hf.get_added_vocab())
 
     def decode(self, ids: list[int]) -> str:
         if self._fast is not None:

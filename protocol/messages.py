@@ -65,9 +65,15 @@ Count = Annotated[int, Meta(ge=0, le=INT64_MAX)]
 TokenId = Annotated[int, Meta(ge=0, le=2**31 - 1)]  # int32 on the wire; the vocabulary checks later
 
 
-class ChatMessage(msgspec.Struct, frozen=True, gc=False):
+class ChatMessage(msgspec.Struct, frozen=True, gc=False, omit_defaults=True):
     role: str
     content: str
+    # An assistant turn's tool calls ([{"id", "type": "function", "function": {"name",
+    # "arguments"}}], as OpenAI writes them), and a tool turn's answer to one: passed to the
+    # chat template as they are.
+    tool_calls: list[dict[str, Any]] = []
+    tool_call_id: str = ""
+    name: str = ""
 
 
 class GenerateRequest(ClientWire, tag=_tag("GenerateRequest")):
@@ -109,6 +115,9 @@ class GenerateRequest(ClientWire, tag=_tag("GenerateRequest")):
     # Free text in which each trigger starts a structure whose body follows its schema:
     # {"structures": [{"begin": ..., "schema": {...}, "end": ...}], "triggers": [...]} as JSON.
     structural_tag: str = ""
+    # Functions the model may call ([{"type": "function", "function": {"name", "description",
+    # "parameters"}}]), shown to it by the chat template (with messages).
+    tools: list[dict[str, Any]] = []
 
 
 class AbortRequest(ClientWire, tag=_tag("AbortRequest")):

@@ -233,9 +233,15 @@ class Frontend:
         if req.input_ids:
             return list(req.input_ids)
         if req.messages:
-            msgs = [{"role": c.role, "content": c.content} for c in req.messages]
+            msgs = [msgspec.structs.asdict(c) for c in req.messages]
+            for msg in msgs:  # the template tests for what a message has, not for ""
+                for key in ("tool_calls", "tool_call_id", "name"):
+                    if not msg[key]:
+                        del msg[key]
+            tools = {"tools": req.tools} if req.tools else {}
             try:
-                ids = self.tokenizer.apply_chat_template(msgs, **req.chat_template_kwargs)
+                ids = self.tokenizer.apply_chat_template(msgs, **tools,
+                                                         **req.chat_template_kwargs)
             except Exception as e:  # a template error is the request's problem, not ours
                 raise RequestError(f"messages: the chat template failed: {str(e)[:200]}",
                                    param="messages") from None

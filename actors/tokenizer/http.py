@@ -16,6 +16,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from actors.tokenizer.chat_output import ChatOutput
 from actors.tokenizer.intake import RequestError
 from actors.tokenizer.openai_format import (Choice, chat_chunk, chat_response, completion_chunk,
                                             completion_response, error_body, parse_chat,
@@ -185,17 +186,35 @@ async def _watch_disconnect(request: Request, bridge: Bridge,
 async def _stream(bridge: Bridge, reqs: list[m.GenerateRequest], index: dict[str, int],
                   queue: asyncio.Queue, first: Any, opts: dict[str, Any], chat: bool, rid: str,
                   created: int) -> AsyncIterator[str]:
-    chunk = chat_chunk if chat else completion_chunk
     model = bridge.model_name
     finals: dict[int, m.Finished] = {}
     reply = first
+    # A chat choice's text is split into reasoning, content and tool calls as it comes.
+    parsers = {k: ChatOutput(reasoning=True, tools=opts.get("tools", False))
+               for k in range(len(reqs))} if chat else {}
+
+    def chunks(k: int, text: str, reason: str | None, lp: Any) -> list[str]:
+        if not chat:
+            return [_sse(completion_chunk(rid, created, model, k, text, reason, lp, opts))]
+        parser = parsers[k]
+        deltas = parser.feed(text) if reason is None else parser.finish()
+        if reason is not None:
+            reason = "tool_calls" if parser.calls and reason == "stop" else reason
+        if lp is not None or reason is not None:
+            deltas = deltas or [{}]  # logprobs and the finish ride on a chunk of their own
+        last = len(deltas) - 1
+        return [_sse(chat_chunk(rid, created, model, k, d, reason if i == last else None,
+                                lp if i == 0 else None, opts)) for i, d in enumerate(deltas)]
+
     # Events already here go out as one write: a request's last token, its finish, its usage
     # and [DONE] usually arrive together, and each write is a packet the client parses alone.
     parts: list[str] = []
     try:
         if chat:
             for k in range(len(reqs)):
-                parts.append(_sse(chunk(rid, created, model, k, "", None, None, opts, role=True)))
+                parts.append(_sse(chat_chunk(rid, created, model, k,
+                                             {"role": "assistant", "content": ""}, None, None,
+                                             opts)))
         while True:
             if isinstance(reply, m.ErrorReply):  # the server failed mid-stream
                 parts.append(_sse(error_body(reply.code, reply.message, None)))
@@ -203,11 +222,10 @@ async def _stream(bridge: Bridge, reqs: list[m.GenerateRequest], index: dict[str
             k = index[reply.req_id]
             if isinstance(reply, m.Delta) and (reply.token_ids or reply.text):
                 lp = (reply.token_ids, reply.logprobs, reply.top_ids, reply.top_logprobs)
-                parts.append(_sse(chunk(rid, created, model, k, reply.text, None, lp, opts)))
+                parts += chunks(k, reply.text, None, lp if opts["logprobs"] else None)
             if isinstance(reply, m.Finished):
                 finals[k] = reply
-                parts.append(_sse(chunk(rid, created, model, k, "", reply.finish_reason, None,
-                                        opts)))
+                parts += chunks(k, reply.text, reply.finish_reason, None)
                 if len(finals) == len(reqs):
                     break
             if parts and queue.empty():

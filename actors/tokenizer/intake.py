@@ -98,6 +98,10 @@ def check_request(req: m.GenerateRequest, limits: LimitsConfig) -> None:
         raise RequestError(f"stop: at most {limits.max_stop_strings} stop strings "
                            f"(limits.max_stop_strings), got {len(req.stop)}", param="stop")
     check_value("chat_template_kwargs", req.chat_template_kwargs, limits)
+    check_value("tools", req.tools, limits)
+    for msg in req.messages:
+        check_value("messages", msg.tool_calls, limits)
+        _check_strings([("messages", msg.tool_call_id), ("messages", msg.name)], limits)
 
 
 def check_value(name: str, value: Any, limits: LimitsConfig, depth: int = 1) -> None:

@@ -16,6 +16,7 @@ from typing import Annotated, Any, Callable
 import msgspec
 from msgspec import Meta
 
+from actors.tokenizer.chat_output import whole_message
 from actors.tokenizer.intake import RequestError, decode_body
 from protocol import messages as m
 from protocol.config import LimitsConfig
@@ -113,6 +114,22 @@ class ContentPart(msgspec.Struct):
 class ChatMessageBody(msgspec.Struct):
     role: str
     content: str | list[ContentPart] | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+    name: str | None = None
+    reasoning_content: str | None = None  # an earlier reply's, sent back: not shown again
+
+
+class FunctionBody(msgspec.Struct):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolBody(msgspec.Struct):
+    type: str
+    function: FunctionBody
 
 
 class ChatBody(_Common, kw_only=True):
@@ -122,6 +139,11 @@ class ChatBody(_Common, kw_only=True):
     logprobs: bool = False
     top_logprobs: int | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[ToolBody] | None = None
+    # "auto" (the default with tools), "none", "required", or {"type": "function",
+    # "function": {"name": ...}}.
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
 
 
 # GenerateRequest's field -> the OpenAI field a client set it with, for error messages.
@@ -213,9 +235,66 @@ def parse_chat(raw: bytes, limits: LimitsConfig) -> tuple[list[m.GenerateRequest
     names = dict(_CHAT_NAMES, max_new_tokens="max_completion_tokens"
                  if c.max_completion_tokens is not None else "max_tokens")
     max_new = next((v for v in (c.max_completion_tokens, c.max_tokens) if v is not None), 4096)
-    return _requests(c, max_new, {"messages": messages,
-                                  "chat_template_kwargs": c.chat_template_kwargs or {}},
-                     c.logprobs, c.top_logprobs or 0, names)
+    prompt: dict[str, Any] = {"messages": messages,
+                              "chat_template_kwargs": c.chat_template_kwargs or {}}
+    choice = _tool_choice(c)
+    if c.tools:
+        prompt["tools"] = [msgspec.to_builtins(t) for t in c.tools]
+    if choice not in ("auto", "none"):
+        if c.response_format is not None or c.regex or c.ebnf:
+            raise RequestError("tool_choice required or a named function already constrains "
+                               "the reply: give no response_format, regex or ebnf with it",
+                               param="tool_choice")
+        prompt["ebnf"] = tool_grammar(c.tools, None if choice == "required" else choice,
+                                      c.parallel_tool_calls)
+    reqs, opts = _requests(c, max_new, prompt, c.logprobs, c.top_logprobs or 0, names)
+    opts["tools"] = bool(c.tools) and choice != "none"
+    return reqs, opts
+
+
+def _tool_choice(c: ChatBody) -> str:
+    """"auto", "none", "required", or the name of the function the reply must call."""
+    choice = c.tool_choice if c.tool_choice is not None else "auto"
+    for t in c.tools or []:
+        if t.type != "function":
+            raise RequestError(f"tools: type {t.type[:40]!r} is not supported (function only)",
+                               param="tools")
+    if isinstance(choice, dict):
+        name = (choice.get("function") or {}).get("name") \
+            if isinstance(choice.get("function"), dict) else None
+        if choice.get("type") != "function" or not isinstance(name, str):
+            raise RequestError('tool_choice: give "auto", "none", "required" or {"type": '
+                               '"function", "function": {"name": ...}}', param="tool_choice")
+        if name not in {t.function.name for t in c.tools or []}:
+            raise RequestError(f"tool_choice: no function {name[:60]!r} in tools",
+                               param="tool_choice")
+        return name
+    if choice not in ("auto", "none", "required"):
+        raise RequestError(f"tool_choice: {str(choice)[:40]!r} is not one of auto, none, "
+                           "required or a named function", param="tool_choice")
+    if choice == "required" and not c.tools:
+        raise RequestError("tool_choice required needs tools", param="tool_choice")
+    return choice
+
+
+# JSON inside a tool call as json.dumps writes it, without free whitespace (a random or a
+# chatty model would otherwise pad it forever).
+_CALL_JSON = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+def tool_grammar(tools: list[ToolBody], name: str | None, parallel: bool) -> str:
+    """The Lark grammar (llguidance's, with %json) of a reply made of tool calls in Qwen's
+    format: one, or with `parallel` one or more, of any function, or of `name` only. The
+    arguments follow the function's parameters schema."""
+    calls = [{"type": "object", "properties": {
+                "name": {"const": t.function.name},
+                "arguments": t.function.parameters or {"type": "object"}},
+              "required": ["name", "arguments"], "additionalProperties": False}
+             for t in tools if name is None or t.function.name == name]
+    schema = {"x-guidance": _CALL_JSON, **(calls[0] if len(calls) == 1 else {"anyOf": calls})}
+    start = 'start: call ("\\n" call)*' if parallel else "start: call"
+    return "\n".join([start, 'call: <tool_call> "\\n" body "\\n" </tool_call>',
+                      f"body: %json {json.dumps(schema)}"])
 
 
 class TokenizeBody(msgspec.Struct, kw_only=True):
@@ -240,7 +319,9 @@ def parse_tokenize(raw: bytes, limits: LimitsConfig) -> m.GenerateRequest:
 
 
 def _messages(bodies: list[ChatMessageBody]) -> list[m.ChatMessage]:
-    return [m.ChatMessage(role=msg.role, content=_content(msg)) for msg in bodies]
+    return [m.ChatMessage(role=msg.role, content=_content(msg),
+                          tool_calls=msg.tool_calls or [], tool_call_id=msg.tool_call_id or "",
+                          name=msg.name or "") for msg in bodies]
 
 
 @dataclass
@@ -296,13 +377,17 @@ def completion_response(rid, created, model, choices: list[Choice], use, opts) -
 
 def chat_response(rid, created, model, choices: list[Choice], use, opts) -> dict:
     text = opts["token_text"]
+    out = []
+    for c in choices:
+        message, called = whole_message(c.text, reasoning=True, tools=opts.get("tools", False))
+        out.append({"index": c.index, "message": message,
+                    "finish_reason": "tool_calls" if called and c.finish_reason == "stop"
+                    else _reason(c.finish_reason),
+                    "logprobs": _chat_logprobs(c.token_ids, c.logprobs, c.top_ids,
+                                               c.top_logprobs, text)
+                    if opts["logprobs"] else None})
     return {"id": rid, "object": "chat.completion", "created": created, "model": model,
-            "choices": [{"index": c.index, "finish_reason": _reason(c.finish_reason),
-                         "message": {"role": "assistant", "content": c.text},
-                         "logprobs": _chat_logprobs(c.token_ids, c.logprobs, c.top_ids,
-                                                    c.top_logprobs, text)
-                         if opts["logprobs"] else None} for c in choices],
-            "usage": use}
+            "choices": out, "usage": use}
 
 
 def completion_chunk(rid, created, model, k, text, reason, lp, opts, role=False) -> dict:
@@ -313,10 +398,8 @@ def completion_chunk(rid, created, model, k, text, reason, lp, opts, role=False)
                          "logprobs": logprobs}]}
 
 
-def chat_chunk(rid, created, model, k, text, reason, lp, opts, role=False) -> dict:
-    delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else {}
-    if text:
-        delta["content"] = text
+def chat_chunk(rid, created, model, k, delta: dict[str, Any], reason, lp, opts) -> dict:
+    """delta: the chunk's delta fields (role, content, reasoning_content, tool_calls)."""
     logprobs = (_chat_logprobs(*lp, opts["token_text"])
                 if lp is not None and opts["logprobs"] else None)
     return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
