@@ -5,7 +5,8 @@ For each library, with the served model's tokenizer.json (151,936-token vocabula
   tokenizer  building the library's view of the vocabulary (llguidance.LLTokenizer;
              xgrammar.TokenizerInfo.from_huggingface, the HF tokenizer load timed apart;
              outlines_core.Vocabulary from tokenizer.json's byte-level tokens);
-  compile    a JSON schema to a matcher at its start, a small one and a 30-property one:
+  compile    a JSON schema to a matcher at its start: a small one, it without maxLength
+             ("small-free") and a 30-property one;
              cold (no cache) and warm (the library's own cache: xgrammar only);
   mask       the next-token bitmask (int32 words, bit t = token t) at each step of a walk
              over the tokens of a valid instance, fresh matcher per walk: p50 / p99 / max;
@@ -13,7 +14,7 @@ For each library, with the served model's tokenizer.json (151,936-token vocabula
 Times: median (min-max) over --reps runs; masks over every step of --walks walks.
 
 Not the project's environment: xgrammar imports torch (its matcher module does, even with a
-NumPy bitmask), so this runs in a separate venv, never /work/main/.venv:
+NumPy bitmask; PyPI's Linux torch brings CUDA wheels, a ~5 GB venv), so a separate venv:
     python3.11 -m venv /tmp/gramvenv
     /tmp/gramvenv/bin/pip install llguidance xgrammar outlines-core numpy tokenizers transformers
     /tmp/gramvenv/bin/python benchmarks/kernels/grammar_libs.py [--tokenizer-dir DIR] [--json OUT]
@@ -46,9 +47,14 @@ ITEM = {"type": "object", "additionalProperties": False, "required": ["x", "tags
 # All 30 required: optional properties make outlines' regex (and its index) combinatorial.
 BIG = {"type": "object", "additionalProperties": False,
        "properties": {f"p{i}": ITEM for i in range(30)}, "required": [f"p{i}" for i in range(30)]}
-INSTANCES = {"small": {"name": "Bob", "age": 42},
-             "big": {f"p{i}": {"x": i % 10 - 4.5, "tags": ["abc", "de"][: i % 3]}
-                     for i in range(30)}}
+# (schema, a valid instance). "small-free": the small one without maxLength, which is what
+# makes a string's masks expensive in llguidance and xgrammar (a bounded repetition).
+SCHEMAS = {"small": (SMALL, {"name": "Bob", "age": 42}),
+           "small-free": ({**SMALL, "properties": {**SMALL["properties"],
+                                                   "name": {"type": "string"}}},
+                          {"name": "Bob", "age": 42}),
+           "big": (BIG, {f"p{i}": {"x": i % 10 - 4.5, "tags": ["abc", "de"][: i % 3]}
+                         for i in range(30)})}
 
 
 def byte_level_bytes(token: str) -> bytes:
@@ -82,11 +88,8 @@ class LLGuidance:
         assert not m.is_error(), m.get_error()
         return m
 
-    def mask(self, m, buf):
-        m.unsafe_compute_mask_ptr(buf.ctypes.data, buf.nbytes)  # the runner's call
-
-    def advance(self, m, t):
-        return m.consume_token(t)
+    def mask(self, m, buf): m.unsafe_compute_mask_ptr(buf.ctypes.data, buf.nbytes)  # runner's
+    def advance(self, m, t): return m.consume_token(t)
 
 
 class XGrammar:
@@ -110,14 +113,9 @@ class XGrammar:
                                               separators=SEPARATORS)
         return g, self.matcher(g)
 
-    def matcher(self, g):
-        return self.xgr.GrammarMatcher(g)
-
-    def mask(self, m, buf):
-        m.fill_next_token_bitmask(buf[None])  # takes a NumPy array as well as a torch tensor
-
-    def advance(self, m, t):
-        return m.accept_token(t)
+    def matcher(self, g): return self.xgr.GrammarMatcher(g)
+    def mask(self, m, buf): m.fill_next_token_bitmask(buf[None])  # NumPy works, as torch
+    def advance(self, m, t): return m.accept_token(t)
 
 
 class OutlinesCore:
@@ -141,15 +139,9 @@ class OutlinesCore:
         g = self.oc.Index(self.to_regex(schema), self.vocabulary)
         return g, self.matcher(g)
 
-    def matcher(self, g):
-        return self.oc.Guide(g)
-
-    def mask(self, m, buf):
-        m.write_mask_into(buf.ctypes.data, buf.size, 4)
-
-    def advance(self, m, t):
-        m.advance(t, return_tokens=False)
-        return True
+    def matcher(self, g): return self.oc.Guide(g)
+    def mask(self, m, buf): m.write_mask_into(buf.ctypes.data, buf.size, 4)  # clears it too
+    def advance(self, m, t): return m.advance(t, return_tokens=False) or True  # raises if not
 
 
 LIBS = {"llguidance": LLGuidance, "xgrammar": XGrammar, "outlines-core": OutlinesCore}
@@ -166,30 +158,33 @@ def spread(xs: list[float]) -> dict:
 
 
 def walk(lib, g, ids: list[int], walks: int, words: int) -> dict:
-    """Mask and advance times (us) over `walks` walks of `ids`, each with a fresh matcher,
-    checking every token (and EOS at the end) is allowed by the mask."""
+    """Mask and advance times (us) over `walks` walks of `ids` then EOS, each walk with a
+    fresh matcher (lazy per-matcher caches count, as for a new request), checking that the
+    mask allows every token."""
     buf = np.zeros(words, dtype=np.int32)
-    bits = buf.view(np.uint32)
-    masks, advances, totals = [], [], []
+    bits, clock = buf.view(np.uint32), time.perf_counter
+    steps = [[] for _ in range(len(ids) + 1)]  # mask us, by step
+    advances, totals = [], []
     for _ in range(walks):
-        m, total = lib.matcher(g), 0.0
-        for t in [*ids, EOS]:
-            masks.append(ms(lambda: lib.mask(m, buf)) * 1e3)
-            total += masks[-1]
+        m, t0 = lib.matcher(g), clock()
+        for k, t in enumerate([*ids, EOS]):
+            start = clock()
+            lib.mask(m, buf)
+            steps[k].append((clock() - start) * 1e6)
             if not (bits[t >> 5] >> (t & 31)) & 1:
-                raise RuntimeError(f"token {t} (step {len(masks)}) not allowed by the mask")
-            if t == EOS:
-                break
-            start = time.perf_counter()
-            ok = lib.advance(m, t)
-            advances.append((time.perf_counter() - start) * 1e6)
-            total += advances[-1]
-            assert ok is not False, f"token {t} refused"
-        totals.append(total / 1e3)
-    q = np.percentile(masks, [50, 99])
-    return {"tokens": len(ids), "mask_p50_us": q[0], "mask_p99_us": q[1],
-            "mask_max_us": max(masks), "advance_p50_us": statistics.median(advances),
-            "first_walk_ms": totals[0], "later_walk_ms": statistics.median(totals[1:] or totals)}
+                raise RuntimeError(f"token {t} (step {k}) not allowed by the mask")
+            if t != EOS:
+                start = clock()
+                ok = lib.advance(m, t)
+                advances.append((clock() - start) * 1e6)
+                assert ok is not False, f"token {t} refused"
+        totals.append((clock() - t0) * 1e3)  # the bit checks are in it too: a few us
+    masks = [x for step in steps for x in step]
+    p50, p99 = np.percentile(masks, [50, 99])
+    return {"tokens": len(ids), "mask_p50_us": p50, "mask_p99_us": p99, "mask_max_us": max(masks),
+            "advance_p50_us": statistics.median(advances),
+            "walk_ms": f"{totals[0]:.3g} / {statistics.median(totals[1:] or totals):.3g}",
+            "mask_by_step_us": [statistics.median(x) for x in steps]}
 
 
 def bench(name: str, d: Path, vocab: int, reps: int, walks: int, ids: dict) -> dict:
@@ -197,7 +192,7 @@ def bench(name: str, d: Path, vocab: int, reps: int, walks: int, ids: dict) -> d
     out = {"tokenizer_ms": spread([ms(lib.tokenizer) for _ in range(reps)])}
     if hasattr(lib, "hf_load_ms"):
         out["hf_tokenizer_load_ms"] = lib.hf_load_ms
-    for label, schema in (("small", SMALL), ("big", BIG)):
+    for label, (schema, _) in SCHEMAS.items():
         text = json.dumps(schema)
         out[f"compile_{label}_cold_ms"] = spread([ms(lambda: lib.compile(text, False))
                                                   for _ in range(reps)])
@@ -209,32 +204,28 @@ def bench(name: str, d: Path, vocab: int, reps: int, walks: int, ids: dict) -> d
     return out
 
 
-def table(results: dict) -> str:
-    names = list(results)
-    rows = [("tokenizer build, ms", lambda r: r["tokenizer_ms"])]
-    for s in ("small", "big"):
-        rows += [(f"compile {s} cold, ms", lambda r, s=s: r[f"compile_{s}_cold_ms"]),
-                 (f"compile {s} warm, ms", lambda r, s=s: r.get(f"compile_{s}_warm_ms"))]
-        for key, what in (("mask_p50_us", "mask p50, us"), ("mask_p99_us", "mask p99, us"),
-                          ("mask_max_us", "mask max, us"), ("advance_p50_us", "advance p50, us"),
-                          ("first_walk_ms", "walk 1st, ms"), ("later_walk_ms", "walk later, ms")):
-            rows.append((f"{s} ({results[names[0]][f'walk_{s}']['tokens'] if 'error' not in results[names[0]] else '?'} tok) {what}",
-                         lambda r, s=s, key=key: r[f"walk_{s}"][key]))
+def table(results: dict, ids: dict) -> str:
+    rows = [("tokenizer build, ms", "tokenizer_ms", None)]
+    for s in SCHEMAS:
+        rows += [(f"{s}: compile cold, ms", f"compile_{s}_cold_ms", None),
+                 (f"{s}: compile warm, ms", f"compile_{s}_warm_ms", None)]
+        rows += [(f"{s} ({len(ids[s])} tok): {what}", f"walk_{s}", key) for key, what in (
+            ("mask_p50_us", "mask p50, us"), ("mask_p99_us", "mask p99, us"),
+            ("mask_max_us", "mask max, us"), ("advance_p50_us", "advance p50, us"),
+            ("walk_ms", "walk 1st / later, ms"))]
 
-    def cell(r, get):
-        if "error" in r:
-            return "-"
-        v = get(r)
-        if v is None:
-            return "(no cache)"
+    def cell(r: dict, key: str, sub: str | None) -> str:
+        v = r.get(key, "(no cache)") if "error" not in r else "failed"
+        v = v[sub] if sub and isinstance(v, dict) else v
         if isinstance(v, dict):
             return f"{v['median']:.3g} ({v['min']:.3g}-{v['max']:.3g})"
-        return f"{v:.3g}"
+        return v if isinstance(v, str) else f"{v:.3g}"
 
-    width = max(len(n) for n, _ in rows)
-    lines = [" | ".join([" " * width] + [f"{n:<24}" for n in names])]
-    lines += [" | ".join([f"{label:<{width}}"] + [f"{cell(results[n], get):<24}" for n in names])
-              for label, get in rows]
+    width = max(len(label) for label, _, _ in rows)
+    lines = [" | ".join([" " * width] + [f"{n:<26}" for n in results])]
+    lines += [" | ".join([f"{label:<{width}}"] + [f"{cell(r, key, sub):<26}"
+                                                  for r in results.values()])
+              for label, key, sub in rows]
     return "\n".join(lines)
 
 
@@ -257,7 +248,7 @@ def main():
     from tokenizers import Tokenizer
     tok = Tokenizer.from_file(str(d / "tokenizer.json"))
     ids = {k: tok.encode(json.dumps(v, separators=SEPARATORS), add_special_tokens=False).ids
-           for k, v in INSTANCES.items()}
+           for k, (_, v) in SCHEMAS.items()}
     print(f"tokenizer {d} (vocab {vocab}), {os.cpu_count()} CPUs, reps {a.reps}, walks {a.walks}")
     results = {}
     for name in a.libs:
@@ -269,7 +260,7 @@ def main():
             print(f"{name} failed: {type(e).__name__}: {e}")
             results[name] = {"error": f"{type(e).__name__}: {e}"}
     if results:
-        print(table(results))
+        print(table(results, ids))
         if "hf_tokenizer_load_ms" in results.get("xgrammar", {}):
             print(f"(xgrammar's input, not in its tokenizer build: HF tokenizer load "
                   f"{results['xgrammar']['hf_tokenizer_load_ms']:.0f} ms)")
