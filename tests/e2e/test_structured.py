@@ -141,3 +141,27 @@ def test_the_zmq_api_takes_the_same_constraints(graph):
         assert e.value.code == 400
         with pytest.raises(ServerError, match="at most one"):
             c.generate("x", regex="a", ebnf='start: "a"')
+
+
+def test_constraints_with_n_choices_seeds_logprobs_and_stop_strings(api):
+    fmt = _schema_format(1)
+    r = api.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Go"}],
+                                    max_tokens=300, temperature=1.0, seed=3, n=3,
+                                    logprobs=True, top_logprobs=2, response_format=fmt)
+    again = api.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Go"}],
+                                        max_tokens=300, temperature=1.0, seed=3, n=3,
+                                        logprobs=True, top_logprobs=2, response_format=fmt)
+    for c, d in zip(r.choices, again.choices):
+        jsonschema.validate(json.loads(c.message.content), MORE_SCHEMAS[1])
+        assert c.message.content == d.message.content  # seeded: the same choices again
+        assert c.logprobs.content and all(len(t.top_logprobs) == 2 for t in c.logprobs.content)
+        # The logprob entries' tokens spell the reply (the EOS that ended it aside).
+        assert "".join(t.token for t in c.logprobs.content).startswith(c.message.content)
+    # A stop string cuts a constrained reply like any other (the text up to it).
+    whole = r.choices[0].message.content
+    cut = api.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Go"}],
+                                      max_tokens=300, temperature=1.0, seed=3,
+                                      response_format=fmt, stop=['"point"'])
+    assert cut.choices[0].finish_reason == "stop"
+    assert whole.startswith(cut.choices[0].message.content)
+    assert '"point"' not in cut.choices[0].message.content
