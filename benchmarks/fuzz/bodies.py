@@ -50,6 +50,20 @@ class Bodies(Values):
             _v(st.sampled_from([10, 65, 1000, 5000]).map(lambda d: {"a": nest(d, True, False)}),
                ANY, "deep value")))
         out["echo"] = (_v(st.just(False), OK), _v(st.just(True), BAD, "echo"))
+        # Constraints and tools: none, or anything (they compile or are a 400 naming them).
+        odd_format = st.sampled_from([{"type": "yaml"}, {"type": "json_object"},
+                                      {"type": "json_schema"}, {"json_schema": {}},
+                                      {"type": "json_schema", "json_schema": {"schema": 5}}])
+        out["response_format"] = (_v(st.none(), OK), _v(odd_format, ANY, "odd format"))
+        for name in ("regex", "ebnf"):
+            out[name] = (_v(st.none(), OK), _v(self.text, ANY, f"odd {name}"))
+        out["tools"] = (_v(st.none(), OK), _v(st.sampled_from(
+            [[{"type": "function"}], [{"type": "x", "function": {"name": "f"}}], [5], {}]), ANY,
+            "odd tools"))
+        out["tool_choice"] = (_v(st.none(), OK), _v(st.sampled_from(
+            ["auto", "none", "required", "any", {"type": "function"}, 7]), ANY, "odd choice"))
+        out["parallel_tool_calls"] = (_v(st.booleans(), OK),
+                                      _v(st.just("yes"), BAD, "not a bool"))
         out["prompt"] = self.prompt()
         out["messages"] = (self.messages(True), st.one_of(self.messages_odd(True), self.parts()))
         return {name: v for name, v in out.items() if name in known}  # one body's fields

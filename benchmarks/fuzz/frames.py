@@ -51,6 +51,12 @@ class Frames(Values):
                                    _v(self.junk({"str"}, False), BAD, "wrong type"),
                                    _v(self.bad_utf8(), BAD, "invalid UTF-8")))
         out["group"] = (_v(st.one_of(st.just(""), self.text), OK), out["group"][1])
+        # Constraints: none, or anything (a constraint compiles or is a 400 naming it).
+        for name in ("json_schema", "regex", "ebnf", "structural_tag"):
+            out[name] = (_v(st.just(""), OK), _v(self.text, ANY, f"odd {name}"))
+        out["tools"] = (_v(st.just([]), OK), _v(st.lists(st.dictionaries(
+            st.text(max_size=6), self.junk(set(), False), max_size=3), max_size=2), ANY,
+            "odd tools"))
         return out
 
     def request(self, odd: int | str = 2) -> st.SearchStrategy[Draft]:
@@ -105,6 +111,9 @@ class Frames(Values):
                 body[draw(st.sampled_from(["prompts", "max_tokens", "n", "x"]))] = 1
                 verdicts.append(BAD)
                 notes.append("unknown field")
+            if odd == 0 and _is_int(body.get("min_new_tokens")) \
+                    and _is_int(body["max_new_tokens"]):  # a valid request was asked for
+                body["min_new_tokens"] = min(body["min_new_tokens"], body["max_new_tokens"])
             self._semantics(body, verdicts, notes)
             return Draft("field" if odd == "one" else "schema", worst(*verdicts),
                          "; ".join(notes),
