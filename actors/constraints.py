@@ -2,7 +2,8 @@
 both the tokenizer (which refuses what does not compile before the request is queued) and the
 runner (which masks with it) read. No MLX here: the tokenizer process never loads it.
 
-Kinds, by sglang's names: a JSON schema, any JSON object, a regular expression, an EBNF grammar
+Kinds, by sglang's names: a JSON schema (`{"type": "object"}` for any JSON object), a regular
+expression, an EBNF grammar
 (llguidance's Lark syntax, or llama.cpp's GBNF, converted), and a structural tag (free text in
 which each trigger starts a call whose body follows a schema).
 """
@@ -15,7 +16,7 @@ from functools import lru_cache
 import llguidance
 from llguidance.gbnf_to_lark import any_to_lark
 
-KINDS = ("json_schema", "json_object", "regex", "ebnf", "structural_tag")
+KINDS = ("json_schema", "regex", "ebnf", "structural_tag")  # any JSON object: a schema too
 
 
 class GrammarError(ValueError):
@@ -49,8 +50,8 @@ def structural_tag_lark(tag: dict, specials: frozenset[str]) -> str:
         raise GrammarError("structural_tag needs a list of structures and of triggers")
     rules = []
     for k, s in enumerate(tag["structures"]):
-        if not isinstance(s, dict) or not all(isinstance(s.get(k), str)
-                                              for k in ("begin", "end")):
+        if not isinstance(s, dict) or not all(isinstance(s.get(key), str)
+                                              for key in ("begin", "end")):
             raise GrammarError("structural_tag: each structure needs a begin and an end string")
         trigger = next((t for t in tag["triggers"]
                         if isinstance(t, str) and t and s["begin"].startswith(t)), None)
@@ -78,9 +79,6 @@ def _grammar(kind: str, source: str, specials: frozenset[str]) -> str:
             if not isinstance(_json(source, "json_schema"), dict):
                 raise GrammarError("json_schema must be a JSON object")
             return llguidance.LLMatcher.grammar_from_json_schema(source, defaults=JSON_OPTIONS)
-        case "json_object":
-            return llguidance.LLMatcher.grammar_from_json_schema('{"type": "object"}',
-                                                                 defaults=JSON_OPTIONS)
         case "regex":
             return llguidance.LLMatcher.grammar_from_regex(source)
         case "ebnf":

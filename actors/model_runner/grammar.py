@@ -24,7 +24,6 @@ from actors.constraints import GrammarError
 from actors.model_runner.pipeline import before_host_sync
 
 
-
 class Grammars:
     """The tokenizer llguidance masks with (built once: ~1 s for Qwen's vocabulary) and the
     matchers of constrained rows."""
@@ -89,9 +88,6 @@ class RowMatchers:
         self.matchers: dict[int, Future | llguidance.LLMatcher] = {}
         self.unread: dict[int, tuple[mx.array, int]] = {}
 
-    def __contains__(self, row: int) -> bool:
-        return row in self.matchers
-
     def admit(self, row: int, grammar: str, output: Sequence[int] = ()) -> None:
         """A matcher for the row, advanced over what it generated already (a resumed row)."""
         self.release(row)
@@ -109,6 +105,8 @@ class RowMatchers:
 
     def drew(self, rows: Sequence[int], tokens: mx.array) -> None:
         """Sampled rows' tokens (lazy, [len(rows)]); the constrained ones are read later."""
+        if not self.matchers:  # every full-path sample passes here
+            return
         for i, row in enumerate(rows):
             if row in self.matchers:
                 self.unread[row] = (tokens, i)

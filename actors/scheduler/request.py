@@ -83,8 +83,8 @@ class Request:
 
     @property
     def needs_history(self) -> bool:
-        """Penalties read the tokens so far, and a constrained row's matcher the output so far:
-        only then do they travel to the runner."""
+        """Penalties read the tokens so far, and a resumed constrained row's matcher its output
+        so far: only then do they travel to the runner."""
         p = self.params
         return (p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0
-                or p.presence_penalty != 0.0 or bool(p.constraint_kind))
+                or p.presence_penalty != 0.0 or bool(p.constraint_kind and self.output))

@@ -61,10 +61,6 @@ class ChatOutput:
             self._close_call(out, closed=False)
         return out
 
-    @property
-    def finish_reason_override(self) -> str | None:
-        return "tool_calls" if self.calls else None
-
     # -- the states -------------------------------------------------------------------------
 
     def _step(self, out: list, final: bool) -> bool:
@@ -177,6 +173,11 @@ class ChatOutput:
         self.sent = len(args)
         out.append({"tool_calls": [{"index": len(self.calls) - 1,
                                     "function": {"arguments": piece}}]})
+
+
+def finish_reason(reason: str, called: bool) -> str:
+    """A reply that made tool calls and stopped by itself ends for them (OpenAI's reason)."""
+    return "tool_calls" if called and reason == "stop" else reason
 
 
 def whole_message(text: str, reasoning: bool, tools: bool,

@@ -233,11 +233,9 @@ class Frontend:
         if req.input_ids:
             return list(req.input_ids)
         if req.messages:
-            msgs = [msgspec.structs.asdict(c) for c in req.messages]
-            for msg in msgs:  # the template tests for what a message has, not for ""
-                for key in ("tool_calls", "tool_call_id", "name"):
-                    if not msg[key]:
-                        del msg[key]
+            # Without the fields a message leaves at their defaults (omit_defaults): the
+            # template tests for what a message has, not for "".
+            msgs = msgspec.to_builtins(req.messages)
             tools = {"tools": req.tools} if req.tools else {}
             try:
                 ids = self.tokenizer.apply_chat_template(msgs, **tools,

@@ -16,7 +16,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from actors.tokenizer.chat_output import ChatOutput
+from actors.tokenizer.chat_output import ChatOutput, finish_reason
 from actors.tokenizer.intake import RequestError
 from actors.tokenizer.openai_format import (Choice, chat_chunk, chat_response, completion_chunk,
                                             completion_response, error_body, parse_chat,
@@ -199,7 +199,7 @@ async def _stream(bridge: Bridge, reqs: list[m.GenerateRequest], index: dict[str
         parser = parsers[k]
         deltas = parser.feed(text) if reason is None else parser.finish()
         if reason is not None:
-            reason = "tool_calls" if parser.calls and reason == "stop" else reason
+            reason = finish_reason(reason, bool(parser.calls))
         if lp is not None or reason is not None:
             deltas = deltas or [{}]  # logprobs and the finish ride on a chunk of their own
         last = len(deltas) - 1

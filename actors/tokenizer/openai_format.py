@@ -16,7 +16,8 @@ from typing import Annotated, Any, Callable
 import msgspec
 from msgspec import Meta
 
-from actors.tokenizer.chat_output import whole_message
+from actors.constraints import JSON_OPTIONS
+from actors.tokenizer.chat_output import finish_reason, whole_message
 from actors.tokenizer.intake import RequestError, decode_body
 from protocol import messages as m
 from protocol.config import LimitsConfig
@@ -277,11 +278,6 @@ def _tool_choice(c: ChatBody) -> str:
     return choice
 
 
-# JSON inside a tool call as json.dumps writes it, without free whitespace (a random or a
-# chatty model would otherwise pad it forever).
-_CALL_JSON = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
-
-
 def tool_grammar(tools: list[ToolBody], name: str | None, parallel: bool) -> str:
     """The Lark grammar (llguidance's, with %json) of a reply made of tool calls in Qwen's
     format: one, or with `parallel` one or more, of any function, or of `name` only. The
@@ -291,7 +287,8 @@ def tool_grammar(tools: list[ToolBody], name: str | None, parallel: bool) -> str
                 "arguments": t.function.parameters or {"type": "object"}},
               "required": ["name", "arguments"], "additionalProperties": False}
              for t in tools if name is None or t.function.name == name]
-    schema = {"x-guidance": _CALL_JSON, **(calls[0] if len(calls) == 1 else {"anyOf": calls})}
+    # %json in a Lark grammar takes its JSON options from the schema: those of every schema.
+    schema = {"x-guidance": JSON_OPTIONS, **(calls[0] if len(calls) == 1 else {"anyOf": calls})}
     start = 'start: call ("\\n" call)*' if parallel else "start: call"
     return "\n".join([start, 'call: <tool_call> "\\n" body "\\n" </tool_call>',
                       f"body: %json {json.dumps(schema)}"])
@@ -381,8 +378,7 @@ def chat_response(rid, created, model, choices: list[Choice], use, opts) -> dict
     for c in choices:
         message, called = whole_message(c.text, reasoning=True, tools=opts.get("tools", False))
         out.append({"index": c.index, "message": message,
-                    "finish_reason": "tool_calls" if called and c.finish_reason == "stop"
-                    else _reason(c.finish_reason),
+                    "finish_reason": _reason(finish_reason(c.finish_reason, called)),
                     "logprobs": _chat_logprobs(c.token_ids, c.logprobs, c.top_ids,
                                                c.top_logprobs, text)
                     if opts["logprobs"] else None})

@@ -104,16 +104,20 @@ async def one(client: openai.AsyncOpenAI, target: Target, prompt: str, max_token
 
 
 async def closed_loop(target: Target, prompts: list[str], concurrency: int, max_tokens: int,
-                      done: Callable[[], None] = lambda: None) -> tuple[list[Sample], float]:
+                      done: Callable[[], None] = lambda: None,
+                      worker_target: Callable[[int], Target] | None = None,
+                      ) -> tuple[list[Sample], float]:
     """`concurrency` workers take the prompts in order, each sending its next request when the
-    last one ends. Returns the samples (prompt order) and the wall time of the whole run."""
+    last one ends. Returns the samples (prompt order) and the wall time of the whole run.
+    worker_target(w): what worker w sends (its extra body fields), if not `target`."""
     client = target.client()
     samples: list[Sample | None] = [None] * len(prompts)
     queue = iter(range(len(prompts)))
 
-    async def worker() -> None:
+    async def worker(w: int) -> None:
+        sends = target if worker_target is None else worker_target(w)
         for k in queue:
-            samples[k] = await one(client, target, prompts[k], max_tokens)
+            samples[k] = await one(client, sends, prompts[k], max_tokens)
             done()
 
     # The client's own cyclic garbage (an event loop, an openai client, httpx and pydantic
@@ -123,7 +127,7 @@ async def closed_loop(target: Target, prompts: list[str], concurrency: int, max_
     gc.disable()
     try:
         start = time.perf_counter()
-        await asyncio.gather(*[worker() for _ in range(concurrency)])
+        await asyncio.gather(*[worker(w) for w in range(concurrency)])
         wall = time.perf_counter() - start
     finally:
         gc.enable()

@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
-import gc
 import json
 import statistics
 import sys
@@ -23,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.serving.load import PromptMaker, Target, one, pct
+from benchmarks.serving.load import PromptMaker, Target, closed_loop, pct
 from benchmarks.serving.servers import ours
 
 TARGET = 0.85  # the issue's bound on mixed / unconstrained throughput
@@ -36,33 +35,12 @@ def run_mix(plain: Target, held: Target, prompts: list[str], concurrency: int,
             tokens: int, constrained: bool) -> float:
     """Output tok/s of `prompts` through `concurrency` workers; with `constrained`, every
     other worker's requests carry the schema."""
-
-    async def go() -> tuple[int, float]:
-        client = plain.client()
-        queue = iter(prompts)
-        counts: list[int] = []
-
-        async def worker(k: int) -> None:
-            target = held if constrained and k % 2 else plain
-            for p in queue:
-                s = await one(client, target, p, tokens)
-                if s.error:
-                    raise RuntimeError(s.error)
-                counts.append(s.tokens)
-
-        gc.collect()
-        gc.disable()
-        try:
-            start = time.perf_counter()
-            await asyncio.gather(*[worker(k) for k in range(concurrency)])
-            wall = time.perf_counter() - start
-        finally:
-            gc.enable()
-        await client.close()
-        return sum(counts), wall
-
-    total, wall = asyncio.run(go())
-    return total / wall
+    pick = (lambda w: held if w % 2 else plain) if constrained else None
+    samples, wall = asyncio.run(closed_loop(plain, prompts, concurrency, tokens,
+                                            worker_target=pick))
+    if failed := next((s.error for s in samples if s.error), None):
+        raise RuntimeError(failed)
+    return sum(s.tokens for s in samples) / wall
 
 
 def mask_costs(model_dir: str, vocab: int, eos: int, rows: int = 8) -> dict:

@@ -64,7 +64,7 @@ def test_constrained_rows_match_and_their_neighbours_keep_greedy_tokens(setup, d
     path, oracle, info = setup
     ids = [oracle.tokenizer.encode(p) for p in PROMPTS]
     regex = _params("regex", DATE, max_new_tokens=40)
-    anything = _params("json_object")
+    anything = _params("json_schema", '{"type": "object"}')
     arrivals = {0: [("plain0", ids[0], 12), ("json0", ids[1], _schema(0))],
                 2: [("regex", ids[2], regex), ("plain1", ids[3], 9)],
                 5: [("json1", ids[0], _schema(1)), ("object", ids[3], anything)]}
