@@ -1,5 +1,5 @@
 // SiLU (SwiGLU's silu(gate) * x) and the attention softmax as graph nodes on the CPU (the
-// kernels: activation.inc). Float32 only; other dtypes keep MLX's path.
+// kernels: activation.inc). Float32; the softmax also bfloat16, as MLX's own.
 #include <stdexcept>
 #include <string>
 
@@ -37,7 +37,9 @@ void Silu::eval_gpu(const std::vector<mx::array>&, mx::array&) {
 }
 
 mx::array softmax(const mx::array& scores, int causal_length, mx::StreamOrDevice s) {
-  if (scores.dtype() != mx::float32) throw std::invalid_argument("softmax: scores must be float32");
+  if (scores.dtype() != mx::float32 && scores.dtype() != mx::bfloat16) {
+    throw std::invalid_argument("softmax: scores must be float32 or bfloat16");
+  }
   if (scores.ndim() < 2) {
     throw std::invalid_argument("softmax: scores must be [..., rows, width], got " +
                                 shape_str(scores.shape()));
@@ -50,7 +52,7 @@ mx::array softmax(const mx::array& scores, int causal_length, mx::StreamOrDevice
                                 std::to_string(rows) + "), got " + std::to_string(causal_length));
   }
   mx::Stream stream = cpu_stream(s, "softmax");
-  return mx::array(scores.shape(), mx::float32,
+  return mx::array(scores.shape(), scores.dtype(),
                    std::make_shared<Softmax>(stream, causal_length), {scores});
 }
 
@@ -58,8 +60,9 @@ void Softmax::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
   auto& enc = mx::cpu::get_command_encoder(stream());
   const mx::array x = cpu_io(enc, inputs, {out})[0];
   const int64_t width = x.shape(-1);
-  SoftmaxArgs args{x.data<float>(), out.data<float>(),
-                   width ? static_cast<int64_t>(x.size()) / width : 0, width, length_};
+  SoftmaxArgs args{x.data<void>(), out.data<void>(),
+                   width ? static_cast<int64_t>(x.size()) / width : 0, width, length_,
+                   x.dtype() == mx::bfloat16};
   if (args.rows == 0 || width == 0) return;
   enc.dispatch([args]() { mas::softmax_rows(args); });
 }

@@ -36,8 +36,8 @@ NB_MODULE(_ext, m) {
   m.def("decode_attention", &mas::decode_attention, "q"_a, "k"_a, "v"_a, "pages"_a,
         "lengths"_a, "scale"_a, nb::kw_only(), "stream"_a = nb::none(),
         "One query token per row against the decode batch's page pool: q [rows, heads, 1, "
-        "dim], k and v [kv_heads, pool pages, page, dim] (float32), pages int32 [rows, "
-        "max_pages], lengths int32 [rows]: row b attends to its tokens 0 .. lengths[b]-1, token "
+        "dim], k and v [kv_heads, pool pages, page, dim] (all float32, or all bfloat16, rounded "
+        "where MLX's bf16 attention rounds), pages int32 [rows, max_pages], lengths int32 [rows]: row b attends to its tokens 0 .. lengths[b]-1, token "
         "t at k[:, pages[b, t // page], t % page]. -> [rows, heads, 1, dim].");
   m.def("rms_norm", &mas::rms_norm, "x"_a, "weight"_a, "eps"_a, nb::kw_only(),
         "stream"_a = nb::none(),
@@ -74,7 +74,8 @@ NB_MODULE(_ext, m) {
         "and mlx-lm's swiglu as one graph node, exp vectorized.");
   m.def("softmax", &mas::softmax, "scores"_a, "causal_length"_a = 0, nb::kw_only(),
         "stream"_a = nb::none(),
-        "Softmax over the last axis of float32 scores [..., rows, width]. causal_length > 0: "
+        "Softmax over the last axis of scores [..., rows, width], float32, or bfloat16 with "
+        "the bits of mx.softmax(scores, precise=True). causal_length > 0: "
         "rows are queries of a chunk of that many tokens (row r is query r % causal_length, at "
         "key position width - causal_length + r % causal_length); later keys get 0.");
   m.def("head_x_levels", &mas::head_x_levels,

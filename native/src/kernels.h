@@ -46,16 +46,18 @@ struct F32Args {
 // where row b's token t lives at k[kv_head, pages[b, t / page], t % page] (and v alike): one
 // query token per row against the decode batch's page pool [kv_heads, pool pages, page, dim],
 // dim a multiple of 16, group = heads / kv_heads <= 64. A contiguous [kv_heads, rows, columns,
-// dim] buffer is the pool with page = columns and pages[b] = {b}.
+// dim] buffer is the pool with page = columns and pages[b] = {b}. q, k, v and out are float32,
+// or with bf16 all bfloat16 (raw uint16 bits), rounded where MLX's bf16 attention rounds.
 struct AttnArgs {
-  const float* q;  // [rows, heads, dim]
-  const float* k;
-  const float* v;
+  const void* q;  // [rows, heads, dim]
+  const void* k;
+  const void* v;
   const int32_t* pages;  // [rows, max_pages]
   const int32_t* lengths;  // [rows], each <= max_pages * page
-  float* out;  // [rows, heads, dim]
+  void* out;  // [rows, heads, dim]
   int64_t rows, heads, kv_heads, page, max_pages, pool_pages, dim;
   float scale;
+  bool bf16;
 };
 
 // The gated delta rule, token by token (gated_delta.inc): per batch row b and value head h
@@ -94,9 +96,10 @@ struct ActArgs {
 // queries of a chunk of `length` (row r is query r % length, at key position width - length +
 // r % length) and keys after the query's position come out 0.
 struct SoftmaxArgs {
-  const float* scores;  // [rows, width]
-  float* out;           // [rows, width], may alias scores
+  const void* scores;  // [rows, width], float32, or bfloat16 with bf16
+  void* out;           // [rows, width] of the same type, may alias scores
   int64_t rows, width, length;
+  bool bf16;  // MLX's bf16 softmax (precise) bit for bit: its exp, its order of sums
 };
 
 // The greedy head's first pass (greedy_head.cpp): int8 dot products of x's and W's rows

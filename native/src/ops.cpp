@@ -254,8 +254,9 @@ mx::array decode_attention(const mx::array& q, const mx::array& k, const mx::arr
                            const mx::array& pages, const mx::array& lengths, float scale,
                            mx::StreamOrDevice s) {
   const std::string op = "decode_attention: ";
-  if (q.dtype() != mx::float32 || k.dtype() != mx::float32 || v.dtype() != mx::float32) {
-    throw std::invalid_argument(op + "q, k and v must be float32");
+  if ((q.dtype() != mx::float32 && q.dtype() != mx::bfloat16) || k.dtype() != q.dtype() ||
+      v.dtype() != q.dtype()) {
+    throw std::invalid_argument(op + "q, k and v must be all float32 or all bfloat16");
   }
   if (q.ndim() != 4 || q.shape(2) != 1) {
     throw std::invalid_argument(op + "q must be [rows, heads, 1, dim], got " +
@@ -284,7 +285,7 @@ mx::array decode_attention(const mx::array& q, const mx::array& k, const mx::arr
                                 "], got " + shape_str(lengths.shape()));
   }
   mx::Stream stream = cpu_stream(s, "decode_attention");
-  return mx::array(q.shape(), mx::float32, std::make_shared<DecodeAttention>(stream, scale),
+  return mx::array(q.shape(), q.dtype(), std::make_shared<DecodeAttention>(stream, scale),
                    {q, k, v, pages, lengths});
 }
 
@@ -299,9 +300,10 @@ void DecodeAttention::eval_cpu(const std::vector<mx::array>& inputs, mx::array& 
   mx::array lengths = row_contiguous(inputs[4], enc);
   for (const auto& a : {q, k, v, pages, lengths}) enc.set_input_array(a);
   enc.set_output_array(out);
-  AttnArgs args{q.data<float>(), k.data<float>(), v.data<float>(), pages.data<int32_t>(),
-                lengths.data<int32_t>(), out.data<float>(), q.shape(0), q.shape(1), k.shape(0),
-                k.shape(2), pages.shape(1), k.shape(1), q.shape(3), scale_};
+  AttnArgs args{q.data<void>(), k.data<void>(), v.data<void>(), pages.data<int32_t>(),
+                lengths.data<int32_t>(), out.data<void>(), q.shape(0), q.shape(1), k.shape(0),
+                k.shape(2), pages.shape(1), k.shape(1), q.shape(3), scale_,
+                q.dtype() == mx::bfloat16};
   enc.dispatch([args]() {
     // A length past the row's pages, or a page id past the pool, would read past the buffers.
     for (int64_t b = 0; b < args.rows; ++b) {

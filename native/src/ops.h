@@ -37,8 +37,8 @@ mx::array bf16_matmul(const mx::array& x, const mx::array& w, mx::StreamOrDevice
 // x [..., K] float32 @ w.T with w float32 [N, K] -> [..., N] float32 (for few rows of x).
 mx::array f32_matmul(const mx::array& x, const mx::array& w, mx::StreamOrDevice s = {});
 
-// Decode attention over the runner's decode batch: q [rows, heads, 1, dim] float32 (one token
-// per row), k and v the batch's page pool [kv_heads, pool pages, page, dim] float32, pages
+// Decode attention over the runner's decode batch: q [rows, heads, 1, dim] float32 or bfloat16
+// (one token per row), k and v the batch's page pool [kv_heads, pool pages, page, dim] (q's type), pages
 // [rows, max_pages] int32 (row b's token t is at k[:, pages[b, t / page], t % page]), lengths
 // [rows] int32 (row b attends to its tokens 0 .. lengths[b]-1) -> [rows, heads, 1, dim].
 mx::array decode_attention(const mx::array& q, const mx::array& k, const mx::array& v,

@@ -202,7 +202,7 @@ struct Buffer {
   size_t floats = 0;
   ~Buffer() { std::free(data); }
 };
-constexpr int kSlots = 3;
+constexpr int kSlots = 4;
 thread_local Buffer t_buffers[kSlots];
 }  // namespace
 

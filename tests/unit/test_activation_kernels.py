@@ -71,11 +71,38 @@ def test_causal_softmax_masks_later_keys(isa, length, width):
     assert np.all(got[:, ~keep] == 0.0)
 
 
+@pytest.mark.parametrize("width", [1, 7, 16, 33, 2000])
+def test_bfloat16_softmax_has_mlx_bits(isa, width):
+    """bf16 scores: the bits of MLX's own mx.softmax(precise=True), not merely close (its exp
+    and its order of sums reproduced: a weight one float32 ulp off rounds to another bf16 now
+    and then, and a bf16 model's greedy tokens could follow it)."""
+    s = mx.array(np.random.default_rng(width).normal(0, 6, (3, 5, width)).astype(np.float32))
+    s = s.astype(mx.bfloat16)
+    got = mk.softmax(s)
+    assert got.dtype == mx.bfloat16
+    assert mx.array_equal(got, mx.softmax(s, axis=-1, precise=True)).item()
+
+
+@pytest.mark.parametrize("length, width", [(5, 5), (100, 400), (37, 53)])
+def test_bfloat16_causal_softmax_is_mlxs_over_the_kept_keys(isa, length, width):
+    """Later keys masked as MLX's attention masks them (bf16's lowest value): its bits."""
+    group = 3
+    rng = np.random.default_rng(length)
+    s = mx.array(rng.normal(0, 4, (2, group * length, width)).astype(np.float32)).astype(
+        mx.bfloat16)
+    pos = width - length + np.arange(group * length) % length
+    keep = mx.array(np.arange(width)[None, :] <= pos[:, None])
+    want = mx.softmax(mx.where(keep, s, mx.finfo(mx.bfloat16).min), axis=-1, precise=True)
+    assert mx.array_equal(mk.softmax(s, length), want).item()
+
+
 def test_bad_inputs_are_refused_by_name():
     with pytest.raises(ValueError, match="float32"):
         mk.silu(mx.zeros((4,), mx.bfloat16))
     with pytest.raises(ValueError, match="shape"):
         mk.silu(mx.zeros((4,)), mx.zeros((5,)))
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        mk.softmax(mx.zeros((2, 6, 4), mx.float16))
     with pytest.raises(ValueError, match="causal_length"):
         mk.softmax(mx.zeros((2, 6, 4)), 4)  # 6 rows are not queries of chunks of 4
     with pytest.raises(ValueError, match="causal_length"):

@@ -64,6 +64,31 @@ def test_matches_mlx_attention_over_each_rows_keys(isa, heads, kv_heads, dim, co
     np.testing.assert_allclose(np.array(got), np.array(want), atol=2e-6, rtol=1e-5)
 
 
+@pytest.mark.parametrize("heads,kv_heads,dim,columns,lengths,scale", [
+    (16, 4, 64, 300, [1, 257, 100, 300], 64 ** -0.5),
+    (8, 8, 128, 64, [64, 1, 0, 33, 2], 128 ** -0.5),  # a scale bf16 cannot hold exactly
+    (14, 2, 80, 40, [40, 17], 80 ** -0.5),
+])
+def test_bfloat16_has_mlx_bf16_attentions_bits(isa, heads, kv_heads, dim, columns, lengths,
+                                               scale):
+    """A bf16 model's decode attention: MLX rounds q * scale, the scores, the softmax weights
+    and the output to bf16; the kernel rounds at the same places, so it gives the same bits
+    (float32 throughout would be off by bf16 ulps, and greedy tokens could drift)."""
+    rng = np.random.default_rng(dim)
+    b = len(lengths)
+
+    def bf16(*shape, sd=1.0):
+        return mx.array(rng.standard_normal(shape).astype(np.float32) * sd).astype(mx.bfloat16)
+
+    q = bf16(b, heads, 1, dim, sd=2.0)
+    k, v = bf16(b + 2, kv_heads, columns, dim, sd=3.0), bf16(b + 2, kv_heads, columns, dim)
+    got = mk.decode_attention(q, as_pool(k), as_pool(v), contiguous(b),
+                              mx.array(lengths, dtype=mx.int32), scale)
+    want = reference(q, k, v, lengths, scale).astype(mx.bfloat16)
+    assert got.dtype == mx.bfloat16
+    assert np.array_equal(np.array(got.astype(mx.float32)), np.array(want.astype(mx.float32)))
+
+
 @pytest.mark.parametrize("page", [1, 16, 7])
 def test_reads_each_rows_tokens_through_its_page_table(isa, page):
     """Rows whose pages are scattered over a shared pool, in any order, with unused table
@@ -123,6 +148,8 @@ def test_bad_arguments_raise():
     n, t = mx.array([1, 2], dtype=mx.int32), contiguous(2)
     with pytest.raises(ValueError, match="float32"):
         mk.decode_attention(q.astype(mx.float16), k, k, t, n, 1.0)
+    with pytest.raises(ValueError, match="all bfloat16"):
+        mk.decode_attention(q.astype(mx.bfloat16), k, k, t, n, 1.0)
     with pytest.raises(ValueError, match=r"\[rows, heads, 1, dim\]"):
         mk.decode_attention(mx.zeros((2, 4, 2, 16)), k, k, t, n, 1.0)
     with pytest.raises(ValueError, match="one shape"):

@@ -10,7 +10,7 @@ the batch's page pool through its page table (decode_batch.BatchedKV): 2.5x MLX'
 or 2,000, 16 GB/s (`python -m benchmarks.kernels.attention`), and no host sync.
 
 mlx-lm's model modules call `scaled_dot_product_attention` through their module globals.
-install() points them at `attention`, which takes the kernel for a float32 BatchedKV layer on
+install() points them at `attention`, which takes the kernel for a float32 or bfloat16 BatchedKV layer on
 a thread inside active() (the runner's steps); everything else goes on to fastmath.attention,
 which is mlx-lm's own unless fast math is active too.
 """
@@ -30,6 +30,10 @@ from actors.model_runner.decode_batch import BatchedKV
 from actors.model_runner.thread_flag import ThreadFlag
 
 MAX_GROUP = 64  # query heads per KV head the kernel takes
+# bfloat16 is rounded where MLX's own bf16 attention rounds (q * scale, the scores, the
+# weights, the output), so greedy tokens stay mlx-lm's: on qwen3-small-bf16 at 16 rows of 256
+# tokens, 0.48 ms a layer against MLX's 6.4 (`python -m benchmarks.kernels.attention`).
+KERNEL_DTYPES = (mx.float32, mx.bfloat16)
 
 _kernel: ThreadFlag[Any] = ThreadFlag(None)  # the mas_kernels module, inside active()
 
@@ -44,8 +48,8 @@ def active(kernels: Any) -> Iterator[None]:
 def _fits(queries: mx.array, cache: BatchedKV) -> bool:
     b, heads, length, dim = queries.shape
     keys = cache.keys
-    return (length == 1 and keys is not None and queries.dtype == mx.float32
-            and keys.dtype == mx.float32 and dim % 16 == 0 and keys.shape[-1] == dim
+    return (length == 1 and keys is not None and queries.dtype in KERNEL_DTYPES
+            and keys.dtype == queries.dtype and dim % 16 == 0 and keys.shape[-1] == dim
             and heads % keys.shape[0] == 0 and heads // keys.shape[0] <= MAX_GROUP)
 
 
