@@ -1,5 +1,5 @@
 // SiLU (SwiGLU's silu(gate) * x) and the attention softmax as graph nodes on the CPU (the
-// kernels: activation.inc). Float32; the softmax also bfloat16, as MLX's own.
+// kernels: activation.inc). Float32, or bfloat16 with MLX's own bits.
 #include <stdexcept>
 #include <string>
 
@@ -10,8 +10,9 @@
 namespace mas {
 
 mx::array silu(const mx::array& gate, const std::optional<mx::array>& x, mx::StreamOrDevice s) {
-  if (gate.dtype() != mx::float32 || (x && x->dtype() != mx::float32)) {
-    throw std::invalid_argument("silu: gate and x must be float32");
+  if ((gate.dtype() != mx::float32 && gate.dtype() != mx::bfloat16) ||
+      (x && x->dtype() != gate.dtype())) {
+    throw std::invalid_argument("silu: gate and x must be both float32 or both bfloat16");
   }
   if (x && x->shape() != gate.shape()) {
     throw std::invalid_argument("silu: x must be gate's shape " + shape_str(gate.shape()) +
@@ -20,14 +21,15 @@ mx::array silu(const mx::array& gate, const std::optional<mx::array>& x, mx::Str
   mx::Stream stream = cpu_stream(s, "silu");
   std::vector<mx::array> inputs{gate};
   if (x) inputs.push_back(*x);
-  return mx::array(gate.shape(), mx::float32, std::make_shared<Silu>(stream), inputs);
+  return mx::array(gate.shape(), gate.dtype(), std::make_shared<Silu>(stream), inputs);
 }
 
 void Silu::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
   auto& enc = mx::cpu::get_command_encoder(stream());
   const auto in = cpu_io(enc, inputs, {out});
-  ActArgs args{in[0].data<float>(), in.size() > 1 ? in[1].data<float>() : nullptr,
-               out.data<float>(), static_cast<int64_t>(out.size())};
+  ActArgs args{in[0].data<void>(), in.size() > 1 ? in[1].data<void>() : nullptr,
+               out.data<void>(), static_cast<int64_t>(out.size()),
+               out.dtype() == mx::bfloat16};
   if (args.n == 0) return;
   enc.dispatch([args]() { mas::silu_values(args); });
 }

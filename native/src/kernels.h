@@ -86,10 +86,11 @@ struct ConvArgs {
 
 // SiLU over n floats (activation.inc): out = silu(gate), times x where x is given.
 struct ActArgs {
-  const float* gate;
-  const float* x;  // nullptr: silu(gate) alone
-  float* out;      // may alias gate or x
+  const void* gate;  // float32, or bfloat16 with bf16
+  const void* x;     // nullptr: silu(gate) alone
+  void* out;         // may alias gate or x
   int64_t n;
+  bool bf16;  // MLX's bf16 silu(gate) [* x] bit for bit (each op's result rounded to bf16)
 };
 
 // Softmax of each row of `width` scores (activation.inc). length > 0: causal, rows are

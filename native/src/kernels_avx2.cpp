@@ -7,6 +7,7 @@
 #include <immintrin.h>
 
 #include "kernels.h"
+#include "mlx_math.h"
 
 namespace mas::avx2 {
 namespace {

@@ -16,6 +16,7 @@
 #include <immintrin.h>
 
 #include "kernels.h"
+#include "mlx_math.h"
 
 namespace mas::avx512 {
 namespace {

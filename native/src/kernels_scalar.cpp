@@ -3,6 +3,7 @@
 #include <cstring>
 
 #include "kernels.h"
+#include "mlx_math.h"
 
 namespace mas::scalar {
 namespace {

@@ -4,20 +4,53 @@
 // ~20 primitive ops each (casts, squares, sums, broadcasts, aranges, cos/sin, concatenations).
 // A Qwen3 decode step has 33 norms and 16 RoPEs: ~650 of its ~1,450 graph nodes, each costing
 // the CPU stream a few microseconds whatever its size. Here each is one node, one pass over x.
-// Float32 only (a bf16 model keeps MLX's path, and with it mlx-lm's exact arithmetic); baseline
-// code, single-threaded: at decode sizes a pass is a few microseconds.
+// Float32, and bfloat16 with MLX's bf16 arithmetic (its fallbacks' float32 steps, each op's
+// result rounded to bf16 where MLX rounds it); baseline code, single-threaded: at decode sizes
+// a pass is a few microseconds.
 #include <cmath>
 #include <stdexcept>
+#include <vector>
 
 #include "mlx/allocator.h"
 #include "mlx/backend/cpu/encoder.h"
+#include "mlx_math.h"
 #include "ops.h"
 
 namespace mas {
+namespace {
+
+// x [rows, D] and w [D] as float32 (T float) or bfloat16 (T uint16_t).
+template <typename T>
+float load(const T* p, int64_t i) {
+  if constexpr (sizeof(T) == 2) {
+    return from_bf16(p[i]);
+  } else {
+    return p[i];
+  }
+}
+
+// mx.fast.rms_norm's fallback in bf16: float32 x * rsqrt(mean(x^2) + eps) rounded to bf16,
+// times the bf16 weight, rounded again. The mean is the sum in order times 1/D, as MLX's.
+void rms_norm_bf16(const uint16_t* xp, const uint16_t* wp, uint16_t* op, int64_t rows,
+                   int64_t D, float eps) {
+  const float inv_d = static_cast<float>(1.0 / static_cast<double>(D));
+  for (int64_t r = 0; r < rows; ++r) {
+    const uint16_t* xr = xp + r * D;
+    uint16_t* o = op + r * D;
+    float sum = 0.0f;
+    for (int64_t d = 0; d < D; ++d) sum += from_bf16(xr[d]) * from_bf16(xr[d]);
+    const float inv = 1.0f / std::sqrt(sum * inv_d + eps);
+    for (int64_t d = 0; d < D; ++d) {
+      o[d] = to_bf16(round_bf16(from_bf16(xr[d]) * inv) * from_bf16(wp[d]));
+    }
+  }
+}
+
+}  // namespace
 
 mx::array rms_norm(const mx::array& x, const mx::array& weight, float eps, mx::StreamOrDevice s) {
-  if (x.dtype() != mx::float32 || weight.dtype() != mx::float32) {
-    throw std::invalid_argument("rms_norm: x and weight must be float32");
+  if ((x.dtype() != mx::float32 && x.dtype() != mx::bfloat16) || weight.dtype() != x.dtype()) {
+    throw std::invalid_argument("rms_norm: x and weight must be both float32 or both bfloat16");
   }
   if (x.ndim() < 1 || weight.ndim() != 1 || weight.shape(0) != x.shape(-1)) {
     throw std::invalid_argument("rms_norm: weight must be [" +
@@ -25,8 +58,7 @@ mx::array rms_norm(const mx::array& x, const mx::array& weight, float eps, mx::S
                                 shape_str(x.shape()) + " and weight " + shape_str(weight.shape()));
   }
   mx::Stream stream = cpu_stream(s, "rms_norm");
-  return mx::array(x.shape(), mx::float32, std::make_shared<RmsNorm>(stream, eps),
-                   {x, weight});
+  return mx::array(x.shape(), x.dtype(), std::make_shared<RmsNorm>(stream, eps), {x, weight});
 }
 
 void RmsNorm::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
@@ -34,6 +66,11 @@ void RmsNorm::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
   const auto in = cpu_io(enc, inputs, {out});
   const mx::array &x = in[0], &w = in[1];
   const int64_t D = x.shape(-1), rows = D ? static_cast<int64_t>(x.size()) / D : 0;
+  if (x.dtype() == mx::bfloat16) {
+    enc.dispatch([xp = x.data<uint16_t>(), wp = w.data<uint16_t>(), op = out.data<uint16_t>(),
+                  rows, D, eps = eps_]() { rms_norm_bf16(xp, wp, op, rows, D, eps); });
+    return;
+  }
   enc.dispatch([xp = x.data<float>(), wp = w.data<float>(), op = out.data<float>(), rows, D,
                 eps = eps_]() {
     for (int64_t r = 0; r < rows; ++r) {
@@ -57,7 +94,9 @@ bool RmsNorm::is_equivalent(const mx::Primitive& other) const {
 
 mx::array rope(const mx::array& x, int dims, bool traditional, float base, float scale,
                const mx::array& offsets, mx::StreamOrDevice s) {
-  if (x.dtype() != mx::float32) throw std::invalid_argument("rope: x must be float32");
+  if (x.dtype() != mx::float32 && x.dtype() != mx::bfloat16) {
+    throw std::invalid_argument("rope: x must be float32 or bfloat16");
+  }
   if (x.ndim() != 4) {
     throw std::invalid_argument("rope: x must be [batch, heads, tokens, dim], got " +
                                 shape_str(x.shape()));
@@ -73,10 +112,69 @@ mx::array rope(const mx::array& x, int dims, bool traditional, float base, float
                                 shape_str(offsets.shape()));
   }
   mx::Stream stream = cpu_stream(s, "rope");
-  return mx::array(x.shape(), mx::float32,
+  return mx::array(x.shape(), x.dtype(),
                    std::make_shared<Rope>(stream, dims, traditional, base, scale),
                    {x, offsets});
 }
+
+namespace {
+
+// Rotates x [B, H, T, D] (float32, or bfloat16 as uint16_t) from token t of row b at position
+// (t + offsets[b]) * scale. In bf16 as MLX's fallback, bit for bit: its exp for the
+// frequencies, its sin/cos rounded to bf16, every product, sum and difference rounded to bf16.
+// In float32 the C library's exp, sin and cos (MLX's own are a float32 ulp or two away, ~3e-4
+// at positions of thousands with base 1e6, where their argument reduction loses digits).
+template <typename T>
+void rope_rows(const T* xp, const int32_t* off, T* op, int64_t B, int64_t H, int64_t T_,
+               int64_t D, int64_t per_row, int dims, bool traditional, float base, float scale) {
+  constexpr bool kBf16 = sizeof(T) == 2;
+  const auto put = [](T* p, float v) {
+    if constexpr (kBf16) {
+      *p = to_bf16(v);
+    } else {
+      *p = v;
+    }
+  };
+  const auto round = [](float v) { return kBf16 ? round_bf16(v) : v; };  // MLX's bf16 ops
+  const int64_t half = dims / 2;
+  std::vector<float> inv(half), cs(2 * half);
+  for (int64_t i = 0; i < half; ++i) {  // base^(-i / half): the rotation speed of pair i
+    const float e = -static_cast<float>(i) * (std::log(base) / static_cast<float>(half));
+    inv[i] = kBf16 ? mlx_exp(e) : std::exp(e);
+  }
+  // Pair i of a head is (x[i], x[i + half]), or (x[2i], x[2i + 1]) when traditional.
+  const int64_t step = traditional ? 2 : 1, other = traditional ? 1 : half;
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t t = 0; t < T_; ++t) {
+      const float pos = (static_cast<float>(t) + static_cast<float>(off[b * per_row])) * scale;
+      for (int64_t i = 0; i < half; ++i) {
+        const float theta = pos * inv[i];
+        if (kBf16) {
+          mlx_sincos(theta, &cs[2 * i + 1], &cs[2 * i]);
+          cs[2 * i] = round_bf16(cs[2 * i]);
+          cs[2 * i + 1] = round_bf16(cs[2 * i + 1]);
+        } else {
+          cs[2 * i] = std::cos(theta);
+          cs[2 * i + 1] = std::sin(theta);
+        }
+      }
+      for (int64_t h = 0; h < H; ++h) {
+        const int64_t at = ((b * H + h) * T_ + t) * D;
+        const T* xr = xp + at;
+        T* o = op + at;
+        for (int64_t i = 0; i < half; ++i) {
+          const float x1 = load(xr, i * step), x2 = load(xr, i * step + other);
+          const float c = cs[2 * i], sn = cs[2 * i + 1];
+          put(o + i * step, round(x1 * c) - round(x2 * sn));
+          put(o + i * step + other, round(x1 * sn) + round(x2 * c));
+        }
+        for (int64_t d = dims; d < D; ++d) o[d] = xr[d];  // past dims: unrotated
+      }
+    }
+  }
+}
+
+}  // namespace
 
 void Rope::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
   auto& enc = mx::cpu::get_command_encoder(stream());
@@ -84,38 +182,17 @@ void Rope::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
   const mx::array &x = in[0], &offsets = in[1];
   const int64_t B = x.shape(0), H = x.shape(1), T = x.shape(2), D = x.shape(3);
   const int64_t per_row = offsets.shape(0) == 1 ? 0 : 1;
-  enc.dispatch([xp = x.data<float>(), off = offsets.data<int32_t>(), op = out.data<float>(), B,
-                H, T, D, per_row, dims = dims_, traditional = traditional_, base = base_,
-                scale = scale_]() {
-    const int64_t half = dims / 2;
-    std::vector<float> inv(half), cs(2 * half);
-    for (int64_t i = 0; i < half; ++i) {  // base^(-i / half): the rotation speed of pair i
-      inv[i] = std::exp(-static_cast<float>(i) * (std::log(base) / static_cast<float>(half)));
-    }
-    // Pair i of a head is (x[i], x[i + half]), or (x[2i], x[2i + 1]) when traditional.
-    const int64_t step = traditional ? 2 : 1, other = traditional ? 1 : half;
-    for (int64_t b = 0; b < B; ++b) {
-      for (int64_t t = 0; t < T; ++t) {
-        const float pos = (static_cast<float>(t) + static_cast<float>(off[b * per_row])) * scale;
-        for (int64_t i = 0; i < half; ++i) {
-          const float theta = pos * inv[i];
-          cs[2 * i] = std::cos(theta);
-          cs[2 * i + 1] = std::sin(theta);
-        }
-        for (int64_t h = 0; h < H; ++h) {
-          const int64_t at = ((b * H + h) * T + t) * D;
-          const float* xr = xp + at;
-          float* o = op + at;
-          for (int64_t i = 0; i < half; ++i) {
-            const float x1 = xr[i * step], x2 = xr[i * step + other];
-            const float c = cs[2 * i], sn = cs[2 * i + 1];
-            o[i * step] = x1 * c - x2 * sn;
-            o[i * step + other] = x1 * sn + x2 * c;
-          }
-          for (int64_t d = dims; d < D; ++d) o[d] = xr[d];  // past dims: unrotated
-        }
-      }
-    }
+  const int32_t* off = offsets.data<int32_t>();
+  if (x.dtype() == mx::bfloat16) {
+    enc.dispatch([xp = x.data<uint16_t>(), off, op = out.data<uint16_t>(), B, H, T, D, per_row,
+                  dims = dims_, traditional = traditional_, base = base_, scale = scale_]() {
+      rope_rows(xp, off, op, B, H, T, D, per_row, dims, traditional, base, scale);
+    });
+    return;
+  }
+  enc.dispatch([xp = x.data<float>(), off, op = out.data<float>(), B, H, T, D, per_row,
+                dims = dims_, traditional = traditional_, base = base_, scale = scale_]() {
+    rope_rows(xp, off, op, B, H, T, D, per_row, dims, traditional, base, scale);
   });
 }
 

@@ -42,6 +42,23 @@ def test_silu_times_x_and_strided_inputs(isa):
     assert np.abs(got - want).max() < 5e-6
 
 
+@pytest.mark.parametrize("n", [1, 17, 70_001])
+def test_bfloat16_silu_and_swiglu_have_mlx_bits(isa, n):
+    """bf16: nn.silu and mlx-lm's swiglu as MLX computes them in bf16 (its exp, the sigmoid
+    rounded, each product rounded), bit for bit, saturation included."""
+    import mlx.nn as nn
+    from mlx_lm.models import activations
+
+    rng = np.random.default_rng(n)
+    g = rng.normal(0, 8, n).astype(np.float32)
+    g[: min(n, 6)] = [-200.0, 200.0, 0.0, -88.5, 88.5, -1e-3][: min(n, 6)]
+    g = mx.array(g).astype(mx.bfloat16)
+    x = mx.array(rng.normal(0, 2, n).astype(np.float32)).astype(mx.bfloat16)
+    assert mk.silu(g).dtype == mx.bfloat16
+    assert mx.array_equal(mk.silu(g), nn.silu(g)).item()
+    assert mx.array_equal(mk.silu(g, x), activations.swiglu(g, x)).item()
+
+
 def _softmax64(s: np.ndarray, keep: np.ndarray | None = None) -> np.ndarray:
     s = s.astype(np.float64)
     if keep is not None:
@@ -98,7 +115,9 @@ def test_bfloat16_causal_softmax_is_mlxs_over_the_kept_keys(isa, length, width):
 
 def test_bad_inputs_are_refused_by_name():
     with pytest.raises(ValueError, match="float32"):
-        mk.silu(mx.zeros((4,), mx.bfloat16))
+        mk.silu(mx.zeros((4,), mx.float16))
+    with pytest.raises(ValueError, match="both bfloat16"):
+        mk.silu(mx.zeros((4,), mx.bfloat16), mx.zeros((4,)))
     with pytest.raises(ValueError, match="shape"):
         mk.silu(mx.zeros((4,)), mx.zeros((5,)))
     with pytest.raises(ValueError, match="float32 or bfloat16"):

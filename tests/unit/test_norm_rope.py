@@ -1,7 +1,8 @@
 """RMS norm and RoPE as one graph node each (mas_kernels.rms_norm / rope, cpu/norm_rope.py):
 the same values as MLX's mx.fast.rms_norm and mx.fast.rope for the shapes and options the
-models use, per-row offsets as the decode batch gives them, and the runner's switch of exact
-nn.RMSNorm / nn.RoPE modules (float32 only; bf16 keeps MLX's path)."""
+models use, per-row offsets as the decode batch gives them, MLX's very bits in bfloat16, and
+the runner's switch of exact nn.RMSNorm / nn.RoPE modules (float32 and bfloat16; float16
+keeps MLX's path)."""
 
 from __future__ import annotations
 
@@ -45,9 +46,46 @@ def test_rope_equals_mlx_per_row_and_scalar_offsets(traditional, dims):
         assert mx.array_equal(got[..., dims:], x[..., dims:]).item()
 
 
+def _bf16(shape, seed, scale=1.0):
+    return (mx.random.normal(shape, key=mx.random.key(seed)) * scale).astype(mx.bfloat16)
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 512), (16, 1, 64), (3, 7, 80), (5, 128)])
+def test_bf16_rms_norm_has_mlx_bits(shape):
+    """A bf16 model's norms: MLX rounds x * rsqrt(mean(x^2) + eps) to bf16, then the product
+    with the weight; the kernel rounds at the same places, from the same float32 mean."""
+    x, w = _bf16(shape, 1, 3.0), _bf16((shape[-1],), 2)
+    got = mk.rms_norm(x, w, 1e-6)
+    assert got.dtype == mx.bfloat16
+    assert mx.array_equal(got, mx.fast.rms_norm(x, w, 1e-6)).item()
+
+
+@pytest.mark.parametrize("traditional", [False, True])
+@pytest.mark.parametrize("offsets", [[0], [7], [3000], [100_000], [1, 50, 900, 4000]])
+def test_bf16_rope_has_mlx_bits(traditional, offsets):
+    """bf16 RoPE: MLX's cos/sin (its own polynomials, unlike the C library's a few ulps away
+    at positions of thousands) rounded to bf16, and every product and sum rounded: the same
+    bits at every position."""
+    x = _bf16((len(offsets), 8, 5, 64), 3, 2.0)
+    rows = mx.array(offsets, dtype=mx.int32)
+    got = mk.rope(x, 64, traditional, 1e6, 1.0, rows)
+    want = mx.fast.rope(x, 64, traditional=traditional, base=1e6, scale=1.0,
+                        offset=rows if len(offsets) > 1 else offsets[0])
+    assert got.dtype == mx.bfloat16 and mx.array_equal(got, want).item()
+    half = mk.rope(x, 32, traditional, 1e4, 0.5, rows)  # features past dims pass through
+    assert mx.array_equal(half, mx.fast.rope(x, 32, traditional=traditional, base=1e4,
+                                             scale=0.5, offset=rows if len(offsets) > 1
+                                             else offsets[0])).item()
+
+
 def test_bad_arguments_raise():
-    with pytest.raises(ValueError, match="float32"):
-        mk.rms_norm(mx.zeros((2, 8), mx.bfloat16), mx.zeros((8,), mx.bfloat16), 1e-6)
+    with pytest.raises(ValueError, match="float32 or both bfloat16"):
+        mk.rms_norm(mx.zeros((2, 8), mx.float16), mx.zeros((8,), mx.float16), 1e-6)
+    with pytest.raises(ValueError, match="float32 or both bfloat16"):
+        mk.rms_norm(mx.zeros((2, 8), mx.bfloat16), mx.zeros((8,)), 1e-6)
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        mk.rope(mx.zeros((2, 4, 1, 16), mx.float16), 16, False, 1e4, 1.0,
+                mx.array([0], dtype=mx.int32))
     with pytest.raises(ValueError, match=r"weight must be \[8\]"):
         mk.rms_norm(mx.zeros((2, 8)), mx.zeros((4,)), 1e-6)
     x = mx.zeros((2, 4, 1, 16))
@@ -59,7 +97,7 @@ def test_bad_arguments_raise():
         mk.rope(x, 16, False, 1e4, 1.0, mx.array([0, 1, 2], dtype=mx.int32))
 
 
-def test_apply_switches_exact_modules_and_keeps_bf16_on_mlx(monkeypatch):
+def test_apply_switches_exact_modules_and_keeps_fp16_on_mlx(monkeypatch):
     class Block(nn.Module):
         def __init__(self):
             super().__init__()
@@ -85,6 +123,13 @@ def test_apply_switches_exact_modules_and_keeps_bf16_on_mlx(monkeypatch):
                                np.array(mx.fast.rms_norm(x, block.norm.weight, 1e-5)),
                                rtol=1e-6, atol=1e-6)
     assert calls == ["rope", "rms_norm"]
-    block.norm(x.astype(mx.bfloat16))
-    block.rope(x.astype(mx.bfloat16), offset=2)
-    assert calls == ["rope", "rms_norm"]  # bf16: MLX's own path
+    block.norm(x.astype(mx.float16))
+    block.rope(x.astype(mx.float16), offset=2)
+    assert calls == ["rope", "rms_norm"]  # float16: MLX's own path
+    block.norm.weight = block.norm.weight.astype(mx.bfloat16)
+    half = x.astype(mx.bfloat16)
+    assert mx.array_equal(block.norm(half), mx.fast.rms_norm(half, block.norm.weight,
+                                                             1e-5)).item()
+    assert mx.array_equal(block.rope(half, offset=2), mx.fast.rope(
+        half, 32, traditional=False, base=1e4, scale=1.0, offset=2)).item()
+    assert calls == ["rope", "rms_norm", "rms_norm", "rope"]  # bf16: the kernels, MLX's bits

@@ -5,13 +5,15 @@ primitive ops each (casts, squares, sums, broadcasts, aranges, cos/sin, concaten
 decode step has 4 norms and 2 RoPEs per layer: ~650 of the ~1,450 nodes of qwen3-small's
 step, and the CPU stream pays a few microseconds per node whatever its size, so at batch 1 they
 cost more than the 4-bit weights take to read. The kernels compute the same formulas in one
-pass: the norm gives MLX's bits; RoPE's cos/sin are the C library's (both are within ~2e-5
-of a float64 reference at positions of hundreds, from the float32 angle; they differ by up to
-~3e-4 at positions of thousands with base 1e6).
+pass. In float32 the norm gives MLX's bits; RoPE's cos/sin are the C library's (both are
+within ~2e-5 of a float64 reference at positions of hundreds, from the float32 angle; they
+differ by up to ~3e-4 at positions of thousands with base 1e6). In bfloat16 both give MLX's
+bits: its fallbacks' float32 steps, its exp and sin/cos, each result rounded to bf16 where
+MLX rounds it (native/src/mlx_math.h), so a bf16 model's greedy tokens stay mlx-lm's.
 
 apply() switches exact nn.RMSNorm and nn.RoPE modules to subclasses that take the kernels for
-float32 inputs (a bf16 model keeps MLX's path, and with it mlx-lm's exact arithmetic);
-subclasses of them (mlx-lm's own RoPE variants with frequency tables) are left alone.
+float32 and bfloat16 inputs (float16 keeps MLX's path); subclasses of them (mlx-lm's own RoPE
+variants with frequency tables) are left alone.
 """
 
 from __future__ import annotations
@@ -25,17 +27,20 @@ import mlx.nn as nn
 _kernels: Any = None
 
 
+KERNEL_DTYPES = (mx.float32, mx.bfloat16)
+
+
 class KernelRMSNorm(nn.RMSNorm):
     def __call__(self, x: mx.array) -> mx.array:
         weight = self["weight"]
-        if x.dtype != mx.float32 or weight.dtype != mx.float32:
+        if x.dtype not in KERNEL_DTYPES or weight.dtype != x.dtype:
             return super().__call__(x)
         return _kernels.rms_norm(x, weight, self.eps)
 
 
 class KernelRoPE(nn.RoPE):
     def __call__(self, x: mx.array, offset: int | mx.array = 0) -> mx.array:
-        if x.dtype != mx.float32 or x.ndim != 4:
+        if x.dtype not in KERNEL_DTYPES or x.ndim != 4:
             return super().__call__(x, offset)
         if not isinstance(offset, mx.array):
             offsets = mx.array([offset], dtype=mx.int32)
