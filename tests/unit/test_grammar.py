@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from actors.constraints import GrammarError, compile_constraint
-from actors.model_runner.grammar import Grammars, allowed, apply_masks
+from actors.model_runner.grammar import Grammars, RowMatchers, allowed, apply_masks
 from models.builtin import ensure_builtin
 from models.info import read_model_info
 
@@ -142,3 +142,22 @@ def test_constraints_the_library_refuses_are_named(grammars, kind, source, reaso
     with pytest.raises(GrammarError, match=reason):
         compile_constraint(kind, source)
         grammars.matcher(compile_constraint(kind, source))
+
+
+def test_the_tokenizer_is_built_at_the_first_constrained_row_only(grammars):
+    """A runner that never sees a constrained request never builds the grammar tokenizer
+    (~240 MB on the Qwen vocabulary); the first constrained row builds it, once."""
+    built = []
+
+    def load():
+        built.append(1)
+        return grammars
+
+    rows = RowMatchers(load)
+    rows.drew([0, 1], mx.array([5, 6]))  # steps without constrained rows
+    assert built == []
+    rows.admit(0, compile_constraint("regex", "[ab]+"))
+    rows.admit(1, compile_constraint("regex", "c+"))
+    eos = grammars.tokenizer.eos_token
+    masks = rows.next_masks([0, 1], [[eos], [eos]])
+    assert built == [1] and masks.shape[0] == 2
