@@ -213,10 +213,11 @@ class ModelRunner:
         return self.head is not None
 
     def _head(self, rows: list[int]) -> AbstractContextManager[greedy_head.Captured | None]:
-        """Where every row is plain greedy and the greedy head stands in for the model's LM
-        head (cpu/greedy_head.py), the forward's head only hands over its input; where
+        """Where every row is greedy (plain, or constrained by its grammar's mask alone) and
+        the greedy head stands in for the model's LM head (cpu/greedy_head.py), the forward's
+        head only hands over its input; where
         snapshots keep the head's input, the head records it and runs."""
-        if self.cpu.greedy is not None and self.sampler.plain_greedy(rows):
+        if self.cpu.greedy is not None and self.sampler.greedy(rows):
             return greedy_head.capture()
         if self.head is not None:
             return greedy_head.capture(replace=False)
@@ -229,13 +230,15 @@ class ModelRunner:
         x = None if got is None else got.hidden[:, -1, :]
         if x is not None and live is not None:
             x = x[live]
-        tokens = None
+        tokens, masks = None, None
         if got is not None and got.replace:
             if out is not got.placeholder:  # install() probed this; a model changed since
                 raise StepError("the model's output is not its LM head's (greedy head)")
-            tokens = self.cpu.greedy.tokens(x)
+            masks = self.sampler.greedy_masks(rows)
+            tokens = self.cpu.greedy.tokens(x, masks)
         if x is not None and self.head is not None:
-            self.rows.keep_head_input(rows, x, tokens)
+            # A masked argmax is not the token a later plain hit on this input would draw.
+            self.rows.keep_head_input(rows, x, tokens if masks is None else None)
         if tokens is not None:
             return self.sampler.launch_tokens(rows, tokens)
         logits = out[:, -1, :]

@@ -130,6 +130,9 @@ class Sampler:
         # numpy columns make the per-call fast-path test a few vectorized lookups.
         self.live = np.zeros(n, bool)
         self.plain = np.zeros(n, bool)  # greedy, no penalty, no bias, no logprobs
+        # Greedy and constrained, nothing else: the argmax over what the grammar allows, which
+        # the greedy head finds from the masks without the logits.
+        self.masked = np.zeros(n, bool)
         self.generated = np.zeros(n, np.int64)  # tokens generated so far
         self.mask_until = np.zeros(n, np.int64)  # stop_ids masked while generated < this
         # Dense histories only for rows with a penalty: [V] float32 counts of generated tokens,
@@ -157,8 +160,10 @@ class Sampler:
         penalized = p.repetition_penalty != 1 or p.frequency_penalty or p.presence_penalty
         self.params[row] = p
         self.live[row] = True
-        self.plain[row] = not (p.temperature > 0 or penalized or p.logit_bias or p.logprobs
-                               or p.top_logprobs or p.constraint is not None)
+        greedy = not (p.temperature > 0 or penalized or p.logit_bias or p.logprobs
+                      or p.top_logprobs)
+        self.plain[row] = greedy and p.constraint is None
+        self.masked[row] = greedy and p.constraint is not None
         self.generated[row] = len(output)
         self.mask_until[row] = p.min_new_tokens if p.stop_ids else 0
         self.counts.pop(row, None)
@@ -204,16 +209,40 @@ class Sampler:
         return bool(self.live[idx].all() and self.plain[idx].all()
                     and (self.generated[idx] >= self.mask_until[idx]).all())
 
+    def greedy(self, rows: list[int]) -> bool:
+        """Whether every row's next token is an argmax the greedy head can find: plain greedy
+        rows, and greedy rows whose only rule is their grammar's mask (greedy_masks())."""
+        idx = np.asarray(rows, np.int64)
+        return bool(self.live[idx].all() and (self.masked[idx] | (
+            self.plain[idx] & (self.generated[idx] >= self.mask_until[idx]))).all())
+
+    def greedy_masks(self, rows: list[int]) -> np.ndarray | None:
+        """uint32 [len(rows), words] bit masks of the tokens each row may draw next (all for
+        unconstrained rows), or None where no row is constrained. Reads the constrained rows'
+        last tokens into their matchers (once per step, as process() does)."""
+        held = [i for i, r in enumerate(rows) if self.masked[r]]
+        if not held:
+            return None
+        bits = self.grammar.next_masks([rows[i] for i in held],
+                                       [self.params[rows[i]].stop_ids for i in held])
+        out = np.full((len(rows), bits.shape[1]), 0xFFFFFFFF, np.uint32)
+        out[held] = bits.view(np.uint32)
+        return out
+
     def launch_tokens(self, rows: list[int], tokens: mx.array) -> Pending:
         """The rows' argmax tokens (int32 [len(rows)]) found without their logits, for rows
-        that are plain_greedy(); their histories advance as in launch()."""
+        that are greedy() (constrained ones: over their masks); their histories advance as in
+        launch()."""
         idx = self._admitted(rows)
-        if not self._plain(idx):
-            raise ValueError(f"rows {rows} are not all plain greedy")
+        if not self.greedy(rows):
+            raise ValueError(f"rows {rows} are not all greedy")
         if tokens.shape != (len(rows),):
             raise ValueError(f"tokens {tokens.shape} for {len(rows)} rows")
+        tokens = tokens.astype(mx.int32)
         self.generated[idx] += 1
-        return Pending(tokens.astype(mx.int32))
+        if self.grammar is not None:
+            self.grammar.drew(rows, tokens)
+        return Pending(tokens)
 
     def _admitted(self, rows: list[int]) -> np.ndarray:
         idx = np.asarray(rows, np.int64)

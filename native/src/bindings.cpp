@@ -49,11 +49,14 @@ NB_MODULE(_ext, m) {
         "at position offsets[b] + t (offsets int32 [1] or [batch]): mx.fast.rope as one graph "
         "node on the CPU.");
   m.def("greedy_head", &mas::greedy_head, "x"_a, "w"_a, "wq"_a, "stats"_a,
-        "bf16_logits"_a = false, nb::kw_only(), "stream"_a = nb::none(),
+        "bf16_logits"_a = false, "allowed"_a = nb::none(), nb::kw_only(),
+        "stream"_a = nb::none(),
         "argmax(x @ w.T, axis=-1) for x [M, K] float32 and the LM head w [N, K] (float32 or "
         "bfloat16), from wq and stats (cpu/greedy_head.py prepares them): int8 products with "
         "error bounds pick the rows that can still win, their exact products decide. -> int32 "
-        "[M], the lowest index on ties. bf16_logits: of the logits rounded to bfloat16.");
+        "[M], the lowest index on ties. bf16_logits: of the logits rounded to bfloat16. allowed: "
+        "uint32 [M, words >= ceil(N / 32)] bit masks (bit t % 32 of word t // 32: token t may "
+        "win), a grammar's: the argmax over the allowed tokens (0 where none is).");
   m.def(
       "gated_delta",
       [](const mx::array& q, const mx::array& k, const mx::array& v, const mx::array& g,

@@ -63,12 +63,18 @@ struct Best {
   }
 };
 
+// bit n of a row's mask, or true without one.
+inline bool allows(const uint32_t* mask, int64_t n) {
+  return mask == nullptr || ((mask[n >> 5] >> (n & 31)) & 1u);
+}
+
 template <class T>
 struct Scan {
   const float* x;
   const T* w;
   int64_t N, K;
   bool bf16_logits;
+  const uint32_t* mask;
   std::vector<Best> parts;
 };
 
@@ -80,6 +86,7 @@ void scan_task(void* ctx, int64_t task) {
   const int64_t end = std::min(s.N, (task + 1) * kScanRows);
   Best b;
   for (int64_t n = task * kScanRows; n < end; ++n) {
+    if (!allows(s.mask, n)) continue;
     const double v = exact_dot(s.x, s.w + n * s.K, s.K);
     b.offer(s.bf16_logits ? bf16_round(v) : v, static_cast<int32_t>(n));
   }
@@ -88,8 +95,10 @@ void scan_task(void* ctx, int64_t task) {
 
 // Every row of w, exactly: for the rows of x whose candidates did not narrow down.
 template <class T>
-int32_t full_scan(const float* x, const T* w, int64_t N, int64_t K, bool bf16_logits) {
-  Scan<T> s{x, w, N, K, bf16_logits, std::vector<Best>((N + kScanRows - 1) / kScanRows)};
+int32_t full_scan(const float* x, const T* w, int64_t N, int64_t K, bool bf16_logits,
+                  const uint32_t* mask) {
+  Scan<T> s{x, w, N, K, bf16_logits, mask,
+            std::vector<Best>((N + kScanRows - 1) / kScanRows)};
   parallel_for(static_cast<int64_t>(s.parts.size()), scan_task<T>, &s);
   Best b;
   for (const Best& p : s.parts) {
@@ -100,7 +109,8 @@ int32_t full_scan(const float* x, const T* w, int64_t N, int64_t K, bool bf16_lo
 
 template <class T>
 void run(const float* x, const T* w, const uint8_t* wq, const float* stats, int32_t* out,
-         int64_t M, int64_t N, int64_t K, int64_t Kp, int64_t Np, bool bf16_logits) {
+         int64_t M, int64_t N, int64_t K, int64_t Kp, int64_t Np, bool bf16_logits,
+         const uint32_t* allowed, int64_t words) {
   // A logit r rounded to bf16 is within 2^-8 |t| of t, and |t| <= ||x|| ||W[n]||.
   const double rounding = bf16_logits ? 1.0 / 256 : 0.0;
   const auto value = [bf16_logits](double v) { return bf16_logits ? bf16_round(v) : v; };
@@ -155,12 +165,13 @@ void run(const float* x, const T* w, const uint8_t* wq, const float* stats, int3
   std::vector<uint32_t> shared_lo(M, unset_bits);
   HeadArgs a{xq.data(), wq, stats, stats + Np, stats + 2 * Np, xoff.data(), xscale.data(),
              alpha.data(), beta.data(), tasks.data(), shared_lo.data(), M, N, Kp,
-             kRowsPerTask};
+             kRowsPerTask, allowed, words};
   head(a);
   for (int64_t m = 0; m < M; ++m) {
     const float* xr = x + m * K;
+    const uint32_t* mask = allowed ? allowed + m * words : nullptr;
     if (scan[m]) {
-      out[m] = full_scan(xr, w, N, K, bf16_logits);
+      out[m] = full_scan(xr, w, N, K, bf16_logits, mask);
       continue;
     }
     float lo = -HUGE_VALF;
@@ -171,6 +182,7 @@ void run(const float* x, const T* w, const uint8_t* wq, const float* stats, int3
       if (ts.overflow) {  // its kept rows are not all of its candidates: all of its rows
         const int64_t end = std::min(N, (t + 1) * kRowsPerTask);
         for (int64_t n = t * kRowsPerTask; n < end; ++n) {
+          if (!allows(mask, n)) continue;
           b.offer(value(exact_dot(xr, w + n * K, K)), static_cast<int32_t>(n));
         }
         continue;
@@ -179,14 +191,15 @@ void run(const float* x, const T* w, const uint8_t* wq, const float* stats, int3
         if (ts.up[i] >= lo) b.offer(value(exact_dot(xr, w + ts.idx[i] * K, K)), ts.idx[i]);
       }
     }
-    out[m] = b.index < 0 ? full_scan(xr, w, N, K, bf16_logits) : b.index;
+    out[m] = b.index < 0 ? full_scan(xr, w, N, K, bf16_logits, mask) : b.index;
   }
 }
 
 }  // namespace
 
 mx::array greedy_head(const mx::array& x, const mx::array& w, const mx::array& wq,
-                      const mx::array& stats, bool bf16_logits, mx::StreamOrDevice s) {
+                      const mx::array& stats, bool bf16_logits,
+                      const std::optional<mx::array>& allowed, mx::StreamOrDevice s) {
   const auto fail = [&](const std::string& why) {
     throw std::invalid_argument("greedy_head: " + why + " (x " + shape_str(x.shape()) + ", w " +
                                 shape_str(w.shape()) + ", wq " + shape_str(wq.shape()) +
@@ -207,9 +220,16 @@ mx::array greedy_head(const mx::array& x, const mx::array& w, const mx::array& w
     fail("stats must be float32 [3, Np], Np >= N a multiple of 16");
   }
   if (K > (1 << 16)) fail("K above 65,536 would overflow the int32 products");
+  if (allowed && (allowed->ndim() != 2 || allowed->dtype() != mx::uint32 ||
+                  allowed->shape(0) != x.shape(0) || allowed->shape(1) < (N + 31) / 32)) {
+    fail("allowed must be uint32 [M, words], words >= ceil(N / 32), got " +
+         shape_str(allowed->shape()));
+  }
   mx::Stream stream = cpu_stream(s, "greedy_head");
-  return mx::array({x.shape(0)}, mx::int32,
-                   std::make_shared<GreedyHead>(stream, bf16_logits), {x, w, wq, stats});
+  std::vector<mx::array> inputs{x, w, wq, stats};
+  if (allowed) inputs.push_back(*allowed);
+  return mx::array({x.shape(0)}, mx::int32, std::make_shared<GreedyHead>(stream, bf16_logits),
+                   std::move(inputs));
 }
 
 void GreedyHead::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
@@ -218,6 +238,10 @@ void GreedyHead::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) 
   const mx::array x = row_contiguous(inputs[0], enc), w = row_contiguous(inputs[1], enc);
   const mx::array wq = row_contiguous(inputs[2], enc), st = row_contiguous(inputs[3], enc);
   for (const auto& a : {x, w, wq, st}) enc.set_input_array(a);
+  const bool masked = inputs.size() > 4;
+  const mx::array mask = masked ? row_contiguous(inputs[4], enc) : inputs[0];
+  if (masked) enc.set_input_array(mask);
+  const int64_t words = masked ? mask.shape(1) : 0;
   enc.set_output_array(out);
   const int64_t M = x.shape(0), N = w.shape(0), K = w.shape(1), Kp = wq.shape(1);
   const int64_t Np = st.shape(1);
@@ -225,12 +249,12 @@ void GreedyHead::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) 
   enc.dispatch([xp = x.data<float>(), wf = bf16 ? nullptr : w.data<float>(),
                 wb = bf16 ? w.data<mx::bfloat16_t>() : nullptr, qp = wq.data<uint8_t>(),
                 sp = st.data<float>(), op = out.data<int32_t>(), M, N, K, Kp, Np,
-                round = bf16_logits_]() {
+                round = bf16_logits_, ap = masked ? mask.data<uint32_t>() : nullptr, words]() {
     if (M == 0) return;
     if (wf != nullptr) {
-      run(xp, wf, qp, sp, op, M, N, K, Kp, Np, round);
+      run(xp, wf, qp, sp, op, M, N, K, Kp, Np, round, ap, words);
     } else {
-      run(xp, wb, qp, sp, op, M, N, K, Kp, Np, round);
+      run(xp, wb, qp, sp, op, M, N, K, Kp, Np, round, ap, words);
     }
   });
 }

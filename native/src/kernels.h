@@ -129,6 +129,10 @@ struct HeadArgs {
   HeadTask* tasks;       // [ntasks, M], ntasks = ceil(N / rows_per_task)
   uint32_t* shared_lo;   // [M] float32 bits: the best lower bound any task has seen
   int64_t M, N, Kp, rows_per_task;  // Kp: a multiple of 64; rows_per_task: of 16
+  // [M, words] or null: bit n % 32 of word n / 32 of row m set where row n may win for x[m]
+  // (a constrained row's grammar); the others are never kept nor raise lo.
+  const uint32_t* allowed;
+  int64_t words;
 };
 
 namespace scalar {

@@ -150,9 +150,12 @@ class GatedDelta : public mx::Primitive {
 // uint8 (w's rows quantized to int8, + 128, zero past K; Kp a multiple of 64), stats float32
 // [3, Np] (Np >= N a multiple of 16): per row of w its scale, ||w[n]||_2 and ||w[n] - scale
 // * (wq[n] - 128)||_2 (both rounded up), zero past N -> int32 [M], the lowest index on ties.
-// bf16_logits: the argmax of the logits rounded to bfloat16 (a bf16 model's).
+// bf16_logits: the argmax of the logits rounded to bfloat16 (a bf16 model's). allowed: uint32
+// [M, words >= ceil(N / 32)], bit n % 32 of word n / 32 set where row n may be x[m]'s answer
+// (a grammar's mask): the argmax over those only (0 where none is).
 mx::array greedy_head(const mx::array& x, const mx::array& w, const mx::array& wq,
                       const mx::array& stats, bool bf16_logits = false,
+                      const std::optional<mx::array>& allowed = std::nullopt,
                       mx::StreamOrDevice s = {});
 
 class GreedyHead : public mx::UnaryPrimitive {

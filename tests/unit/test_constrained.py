@@ -18,6 +18,7 @@ from actors.scheduler.core import Scheduler
 from models.builtin import ensure_builtin
 from models.info import read_model_info
 from protocol import messages as m
+from protocol.config import RuntimeConfig
 from tests.e2e.oracle import Oracle
 from tests.unit.drive import drive
 from tests.unit.test_grammar import SCHEMAS
@@ -33,10 +34,14 @@ def setup(request, model_cache):
     return path, Oracle(path), read_model_info(path)
 
 
-def _run(path, info, arrivals, depth, max_rows=4, kv_slots=1 << 16, reserve=64):
+def _run(path, info, arrivals, depth, max_rows=4, kv_slots=1 << 16, reserve=64, runtime=None,
+         runners=None):
     states = 4 * max_rows if info.state_layers else 0
     runner = ModelRunner(load_model(path), max_rows, kv_slots=kv_slots, state_slots=states,
-                         eos_ids=info.eos_ids, tokenizer_dir=path)
+                         eos_ids=info.eos_ids, tokenizer_dir=path,
+                         **({} if runtime is None else {"runtime": runtime}))
+    if runners is not None:
+        runners.append(runner)
     sched = Scheduler(max_running=max_rows, chunked_prefill_size=16, kv_slots=kv_slots,
                       context_length=info.context_length, eos_ids=info.eos_ids,
                       output_reserve=reserve, state_slots=states)
@@ -78,6 +83,27 @@ def test_constrained_rows_match_and_their_neighbours_keep_greedy_tokens(setup, d
     assert re.fullmatch(DATE, _text(oracle, info, tokens["regex"], finished["regex"]))
     assert isinstance(json.loads(_text(oracle, info, tokens["object"], finished["object"])),
                       dict)
+
+
+@pytest.mark.parametrize("depth", [1, 2], ids=["plain", "overlap"])
+def test_the_greedy_head_takes_constrained_greedy_rows_with_the_same_tokens(setup, depth):
+    """Greedy constrained rows beside plain ones: the greedy head finds each row's argmax over
+    what its grammar allows, from the masks, without the logits (no full sampling call), and
+    gives the tokens the logits path gives (masked logits, argmax)."""
+    path, oracle, info = setup
+    ids = [oracle.tokenizer.encode(p) for p in PROMPTS]
+    arrivals = {0: [("json0", ids[1], _schema(0)), ("plain0", ids[0], 12)],
+                3: [("regex", ids[2], _params("regex", DATE, max_new_tokens=40)),
+                    ("json1", ids[3], _schema(1))]}
+    runners = []
+    fast, fast_end, _ = _run(path, info, arrivals, depth, runners=runners)
+    slow, slow_end, _ = _run(path, info, arrivals, depth, runtime=RuntimeConfig(greedy_head=False),
+                             runners=runners)
+    assert runners[0].cpu.greedy is not None and runners[1].cpu.greedy is None
+    assert fast == slow and fast_end == slow_end
+    assert runners[0].sampler.full_calls == 0 and runners[1].sampler.full_calls > 0
+    jsonschema.validate(json.loads(_text(oracle, info, fast["json1"], fast_end["json1"])),
+                        SCHEMAS[1])
 
 
 def test_a_constrained_row_resumed_after_retraction_still_matches(setup):

@@ -85,6 +85,52 @@ def test_flat_logits_fall_back_to_exact_scans(isa):
     np.testing.assert_array_equal(tokens(x, w), exact_argmax(x, w))
 
 
+def pack(keep: np.ndarray) -> mx.array:
+    """bool [M, N] -> uint32 [M, ceil(N / 32)] (bit t % 32 of word t // 32), as grammars give."""
+    m, n = keep.shape
+    padded = np.zeros((m, -(-n // 32) * 32), bool)
+    padded[:, :n] = keep
+    return mx.array(np.packbits(padded, axis=1, bitorder="little").view(np.uint32))
+
+
+@pytest.mark.parametrize("density", [0.5, 0.01, 3 / 4099])
+def test_masks_give_the_argmax_over_the_allowed_rows(isa, density):
+    """A constrained greedy row: the argmax over the tokens its grammar allows, dense masks or
+    a handful of tokens (1 in 100, 3 in 4,099 with the row's true argmax forbidden)."""
+    rng = np.random.default_rng(int(density * 1000))
+    n, k, m = 4099, 256, 5
+    w = mx.array((rng.standard_normal((n, k)) * rng.uniform(0.01, 0.2, (n, 1))).astype(np.float32))
+    x = mx.array(rng.standard_normal((m, k)).astype(np.float32))
+    logits = np.array(x, np.float64) @ np.array(w, np.float64).T
+    keep = rng.random((m, n)) < density
+    keep[np.arange(m), logits.argmax(axis=1)] = False  # the unmasked winner may not win
+    keep[:, rng.integers(0, n, m)] = True  # at least one token each
+    keep[1] = True  # an unconstrained row beside them (all ones)
+    p = greedy_head.prepare(w)
+    got = np.array(mk.greedy_head(x, w, p.wq, p.stats, False, pack(keep)))
+    want = np.where(keep, logits, -np.inf).argmax(axis=1)
+    np.testing.assert_array_equal(got, want)
+    assert (got != logits.argmax(axis=1)).sum() >= m - 1
+
+
+def test_masks_reach_the_exact_scans_and_an_empty_mask_gives_token_zero(isa):
+    """Flat logits (whole tasks rescanned exactly) still honour the mask; a row whose mask
+    allows nothing gets token 0, as the argmax of all -inf logits does."""
+    rng = np.random.default_rng(9)
+    base = rng.standard_normal(128)
+    w = mx.array((base + 1e-5 * rng.standard_normal((5000, 128))).astype(np.float32))
+    x = mx.array(rng.standard_normal((3, 128)).astype(np.float32))
+    keep = np.zeros((3, 5000), bool)
+    keep[0, 4000:4999] = True  # crosses word and task boundaries, not the last row
+    keep[1, ::7] = True
+    logits = np.array(x, np.float64) @ np.array(w, np.float64).T
+    p = greedy_head.prepare(w)
+    got = np.array(mk.greedy_head(x, w, p.wq, p.stats, False, pack(keep)))
+    assert got[0] == np.where(keep[0], logits[0], -np.inf).argmax()
+    assert got[1] == np.where(keep[1], logits[1], -np.inf).argmax()
+    assert got[2] == 0
+
+
 def test_infinite_inputs_follow_the_float_logits():
     w = np.zeros((300, 64), np.float32)
     w[[12, 70, 200], 0] = [1.0, 2.0, 1.0]
@@ -92,6 +138,15 @@ def test_infinite_inputs_follow_the_float_logits():
     x[0, 0] = np.inf  # logits inf at rows 12, 70, 200 (nan where w is 0): the first inf wins
     got = tokens(mx.array(x), mx.array(w))
     assert got.tolist() == [12]
+
+
+def test_bad_masks_raise():
+    w, x = mx.zeros((100, 64)), mx.zeros((2, 64))
+    p = greedy_head.prepare(w)
+    with pytest.raises(ValueError, match="allowed must be uint32"):
+        mk.greedy_head(x, w, p.wq, p.stats, False, mx.zeros((2, 3), mx.uint32))  # 3 < 4 words
+    with pytest.raises(ValueError, match="allowed must be uint32"):
+        mk.greedy_head(x, w, p.wq, p.stats, False, mx.zeros((1, 4), mx.uint32))
 
 
 def test_bad_arguments_raise():

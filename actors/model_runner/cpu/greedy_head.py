@@ -138,11 +138,14 @@ class GreedyHead:
     def nbytes(self) -> int:
         return self.prepared.wq.nbytes + self.prepared.stats.nbytes
 
-    def tokens(self, x: mx.array) -> mx.array:
-        """x [..., K] (one row per token; a bf16 model's exactly widened) -> int32 [...]."""
+    def tokens(self, x: mx.array, allowed: np.ndarray | None = None) -> mx.array:
+        """x [..., K] (one row per token; a bf16 model's exactly widened) -> int32 [...].
+        allowed: uint32 [rows, words] bit masks (a grammar's, bit t of word t // 32): each
+        row's argmax over the tokens its mask allows."""
         flat = x.reshape(-1, x.shape[-1]).astype(mx.float32)
+        mask = None if allowed is None else mx.array(allowed)
         out = self.kernels.greedy_head(flat, self.weight, self.prepared.wq, self.prepared.stats,
-                                       self.bf16_logits)
+                                       self.bf16_logits, mask)
         return out.reshape(x.shape[:-1])
 
 
