@@ -13,6 +13,10 @@
    then one Gumbel-max draw, an exact sample from the softmax of what is left.
 The chosen token joins the row's history, so the next call sees it.
 
+Where every row of a step is greedy() (plain greedy rows, and greedy rows whose only rule is
+their grammar's mask), the runner's greedy head finds the tokens without the logits
+(cpu/greedy_head.py; the masks from greedy_masks()) and launch_tokens() records them.
+
 Logprobs are the model's raw distribution, vLLM's default: log_softmax of the logits exactly as
 passed in, before every step above, so they do not depend on the sampling parameters.
 
