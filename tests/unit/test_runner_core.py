@@ -82,8 +82,8 @@ def test_plain_greedy_steps_take_the_greedy_head(setup, monkeypatch):
 
     calls = []
     tokens = GreedyHead.tokens
-    monkeypatch.setattr(GreedyHead, "tokens", lambda self, x: calls.append(x.shape) or
-                        tokens(self, x))
+    monkeypatch.setattr(GreedyHead, "tokens", lambda self, x, allowed=None:
+                        calls.append(x.shape) or tokens(self, x, allowed))
     path, oracle, info = setup
     arrivals = _arrivals(oracle)
     got, _ = run(path, info, arrivals)
