@@ -396,6 +396,8 @@ def test_tokens_found_without_logits_only_for_plain_greedy_rows():
     sampler.admit(4, RowParams(temperature=0.7), [])
     assert sampler.plain_greedy([1]) and not sampler.plain_greedy([1, 2])
     assert not sampler.plain_greedy([3]) and not sampler.plain_greedy([4])
+    # greedy(): the same rows here (no constrained row: those need a grammar, test_constrained)
+    assert sampler.greedy([1]) and not sampler.greedy([1, 2]) and not sampler.greedy([1, 3])
     with pytest.raises(ValueError, match="not all greedy"):
         sampler.launch_tokens([1, 2], mx.array([5, 6], dtype=mx.int32))
     sampler.sample([2], mx.zeros((1, 32)))  # its one masked step
