@@ -44,7 +44,8 @@ class ChatOutput:
         self.sent = 0  # of the open call's arguments, how many characters were given out
         self.args_at = -1  # where the open call's arguments start in body; -1: head not seen
         self.after_think = False  # the content right after </think>: its leading blank dropped
-        self.blank = ""  # whitespace-only content held until more content comes
+        self.blank = ""  # trailing whitespace of the content, held until more comes
+        self.texted = False  # real content since the reply began or the last call
 
     def feed(self, text: str) -> list[dict[str, Any]]:
         self.buf += text
@@ -59,7 +60,14 @@ class ChatOutput:
             pass
         if self.state == "call":
             self._close_call(out, closed=False)
+        self._flush_blank(out)
         return out
+
+    def _flush_blank(self, out: list) -> None:
+        """The held whitespace goes out after real content, and is dropped between calls."""
+        if self.blank and self.texted:
+            out.append({"content": self.blank})
+        self.blank, self.texted = "", False
 
     # -- the states -------------------------------------------------------------------------
 
@@ -98,6 +106,7 @@ class ChatOutput:
             self.after_think = True
         if then == "call":
             self.body, self.sent, self.args_at = "", 0, -1
+            self._flush_blank(out)
         self.state = then
         return True
 
@@ -108,18 +117,22 @@ class ChatOutput:
             out.append({field: text})
 
     def _content(self, text: str, out: list) -> None:
-        """Content, without the blank line after </think> and without whitespace alone (the
-        newlines between tool calls): whitespace goes out with the next real content."""
+        """Content, without the blank line after </think> and without whitespace that only
+        separates tool calls: trailing whitespace is held until real content follows, or a
+        call opens or the reply ends after real content (then it goes out too). Held whatever
+        the pieces, so a streamed reply's content is the whole reply's."""
         if self.after_think:
             text = text.lstrip()
             if not text:
                 return
             self.after_think = False
-        if not text.strip():
+        body = text.rstrip()
+        if not body:
             self.blank += text
             return
-        out.append({"content": self.blank + text})
-        self.blank = ""
+        out.append({"content": self.blank + body})
+        self.blank = text[len(body):]
+        self.texted = True
 
     def _call(self, out: list, final: bool) -> bool:
         at = self.buf.find(CALL_CLOSE)

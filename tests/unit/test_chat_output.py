@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from actors.tokenizer.chat_output import ChatOutput, whole_message
@@ -46,6 +46,9 @@ def _whole(text):
 
 @settings(max_examples=200, deadline=None)
 @given(st.sampled_from(TEXTS), st.lists(st.integers(0, 200), max_size=12))
+@example(TEXTS[2], [9])  # "Checking." then "\n<tool_call>...": the newline arrives alone
+@example(TEXTS[2] + "\n", [len(TEXTS[2])])  # whitespace after the last call: dropped
+@example("Hello \n", [5])
 def test_any_split_streams_into_the_whole_message(text, cuts):
     points = sorted({min(c, len(text)) for c in cuts})
     pieces = [text[a:b] for a, b in zip([0] + points, points + [len(text)])]
