@@ -19,29 +19,20 @@
 namespace mas {
 namespace {
 
-// x [rows, D] and w [D] as float32 (T float) or bfloat16 (T uint16_t).
+// weight * x / sqrt(mean(x^2) + eps) for rows of x [rows, D], as mx.fast.rms_norm's fallback
+// computes it: in float32, the mean the sum in order times 1/D; in bf16 x * rsqrt(...) rounded
+// to bf16, then its product with the bf16 weight rounded again.
 template <typename T>
-float load(const T* p, int64_t i) {
-  if constexpr (sizeof(T) == 2) {
-    return from_bf16(p[i]);
-  } else {
-    return p[i];
-  }
-}
-
-// mx.fast.rms_norm's fallback in bf16: float32 x * rsqrt(mean(x^2) + eps) rounded to bf16,
-// times the bf16 weight, rounded again. The mean is the sum in order times 1/D, as MLX's.
-void rms_norm_bf16(const uint16_t* xp, const uint16_t* wp, uint16_t* op, int64_t rows,
-                   int64_t D, float eps) {
+void rms_rows(const T* xp, const T* wp, T* op, int64_t rows, int64_t D, float eps) {
   const float inv_d = static_cast<float>(1.0 / static_cast<double>(D));
   for (int64_t r = 0; r < rows; ++r) {
-    const uint16_t* xr = xp + r * D;
-    uint16_t* o = op + r * D;
+    const T* xr = xp + r * D;
+    T* o = op + r * D;
     float sum = 0.0f;
-    for (int64_t d = 0; d < D; ++d) sum += from_bf16(xr[d]) * from_bf16(xr[d]);
+    for (int64_t d = 0; d < D; ++d) sum += to_f32(xr[d]) * to_f32(xr[d]);
     const float inv = 1.0f / std::sqrt(sum * inv_d + eps);
     for (int64_t d = 0; d < D; ++d) {
-      o[d] = to_bf16(round_bf16(from_bf16(xr[d]) * inv) * from_bf16(wp[d]));
+      store_as(o + d, rounded<T>(to_f32(xr[d]) * inv) * to_f32(wp[d]));
     }
   }
 }
@@ -66,22 +57,16 @@ void RmsNorm::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
   const auto in = cpu_io(enc, inputs, {out});
   const mx::array &x = in[0], &w = in[1];
   const int64_t D = x.shape(-1), rows = D ? static_cast<int64_t>(x.size()) / D : 0;
+  const auto run = [&](auto type) {
+    using T = decltype(type);
+    enc.dispatch([xp = x.data<T>(), wp = w.data<T>(), op = out.data<T>(), rows, D,
+                  eps = eps_]() { rms_rows(xp, wp, op, rows, D, eps); });
+  };
   if (x.dtype() == mx::bfloat16) {
-    enc.dispatch([xp = x.data<uint16_t>(), wp = w.data<uint16_t>(), op = out.data<uint16_t>(),
-                  rows, D, eps = eps_]() { rms_norm_bf16(xp, wp, op, rows, D, eps); });
-    return;
+    run(uint16_t{});
+  } else {
+    run(float{});
   }
-  enc.dispatch([xp = x.data<float>(), wp = w.data<float>(), op = out.data<float>(), rows, D,
-                eps = eps_]() {
-    for (int64_t r = 0; r < rows; ++r) {
-      const float* xr = xp + r * D;
-      float* o = op + r * D;
-      float sum = 0.0f;
-      for (int64_t d = 0; d < D; ++d) sum += xr[d] * xr[d];
-      const float inv = 1.0f / std::sqrt(sum / static_cast<float>(D) + eps);
-      for (int64_t d = 0; d < D; ++d) o[d] = xr[d] * inv * wp[d];
-    }
-  });
 }
 
 void RmsNorm::eval_gpu(const std::vector<mx::array>&, mx::array&) {
@@ -128,14 +113,6 @@ template <typename T>
 void rope_rows(const T* xp, const int32_t* off, T* op, int64_t B, int64_t H, int64_t T_,
                int64_t D, int64_t per_row, int dims, bool traditional, float base, float scale) {
   constexpr bool kBf16 = sizeof(T) == 2;
-  const auto put = [](T* p, float v) {
-    if constexpr (kBf16) {
-      *p = to_bf16(v);
-    } else {
-      *p = v;
-    }
-  };
-  const auto round = [](float v) { return kBf16 ? round_bf16(v) : v; };  // MLX's bf16 ops
   const int64_t half = dims / 2;
   std::vector<float> inv(half), cs(2 * half);
   for (int64_t i = 0; i < half; ++i) {  // base^(-i / half): the rotation speed of pair i
@@ -163,10 +140,10 @@ void rope_rows(const T* xp, const int32_t* off, T* op, int64_t B, int64_t H, int
         const T* xr = xp + at;
         T* o = op + at;
         for (int64_t i = 0; i < half; ++i) {
-          const float x1 = load(xr, i * step), x2 = load(xr, i * step + other);
+          const float x1 = to_f32(xr[i * step]), x2 = to_f32(xr[i * step + other]);
           const float c = cs[2 * i], sn = cs[2 * i + 1];
-          put(o + i * step, round(x1 * c) - round(x2 * sn));
-          put(o + i * step + other, round(x1 * sn) + round(x2 * c));
+          store_as(o + i * step, rounded<T>(x1 * c) - rounded<T>(x2 * sn));
+          store_as(o + i * step + other, rounded<T>(x1 * sn) + rounded<T>(x2 * c));
         }
         for (int64_t d = dims; d < D; ++d) o[d] = xr[d];  // past dims: unrotated
       }
@@ -182,18 +159,19 @@ void Rope::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
   const mx::array &x = in[0], &offsets = in[1];
   const int64_t B = x.shape(0), H = x.shape(1), T = x.shape(2), D = x.shape(3);
   const int64_t per_row = offsets.shape(0) == 1 ? 0 : 1;
-  const int32_t* off = offsets.data<int32_t>();
-  if (x.dtype() == mx::bfloat16) {
-    enc.dispatch([xp = x.data<uint16_t>(), off, op = out.data<uint16_t>(), B, H, T, D, per_row,
-                  dims = dims_, traditional = traditional_, base = base_, scale = scale_]() {
+  const auto run = [&](auto type) {
+    using E = decltype(type);
+    enc.dispatch([xp = x.data<E>(), off = offsets.data<int32_t>(), op = out.data<E>(), B, H, T,
+                  D, per_row, dims = dims_, traditional = traditional_, base = base_,
+                  scale = scale_]() {
       rope_rows(xp, off, op, B, H, T, D, per_row, dims, traditional, base, scale);
     });
-    return;
+  };
+  if (x.dtype() == mx::bfloat16) {
+    run(uint16_t{});
+  } else {
+    run(float{});
   }
-  enc.dispatch([xp = x.data<float>(), off, op = out.data<float>(), B, H, T, D, per_row,
-                dims = dims_, traditional = traditional_, base = base_, scale = scale_]() {
-    rope_rows(xp, off, op, B, H, T, D, per_row, dims, traditional, base, scale);
-  });
 }
 
 void Rope::eval_gpu(const std::vector<mx::array>&, mx::array&) {

@@ -27,6 +27,17 @@ static inline uint16_t to_bf16(float x) {
   return static_cast<uint16_t>(__builtin_bit_cast(uint32_t, round_bf16(x)) >> 16);
 }
 
+// Kernels written once for float32 (T float) and bfloat16 (T uint16_t, raw bits): a value
+// read as float32, a float32 result stored, and a result as MLX gives it in T (bf16: rounded).
+static inline float to_f32(float x) { return x; }
+static inline float to_f32(uint16_t x) { return from_bf16(x); }
+static inline void store_as(float* p, float x) { *p = x; }
+static inline void store_as(uint16_t* p, float x) { *p = to_bf16(x); }
+template <typename T>
+static inline float rounded(float x) {
+  return sizeof(T) == 2 ? round_bf16(x) : x;
+}
+
 // exp(x) = 2^i p(f), i = floor(x log2(e) + 1/2), f the rest, p Cephes' degree-6 polynomial;
 // inf above 88, 0 below -88.
 static inline float mlx_exp(float x) {
