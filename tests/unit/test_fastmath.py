@@ -7,6 +7,7 @@ from __future__ import annotations
 import warnings
 
 import mlx.core as mx
+import numpy as np
 import mlx.nn as nn
 import pytest
 from mlx_lm.models import activations, base, qwen3, qwen3_next
@@ -58,6 +59,41 @@ def test_attention_matches_mlx(path, mask, b, heads, kv_heads, length, width):
     assert mx.allclose(got, want, atol=2e-6, rtol=1e-5).item()
     # Outside active(): MLX's own path, bit for bit.
     assert mx.array_equal(fastmath.attention(q, k, v, None, scale=0.125, mask=m), want).item()
+
+
+@pytest.mark.parametrize("mask", MASKS)
+@pytest.mark.parametrize("b, heads, kv_heads, length, width", [
+    (1, 8, 4, 300, 300), (2, 8, 2, 100, 400)])
+def test_bf16_attention_is_mlxs_under_every_mask(monkeypatch, mask, b, heads, kv_heads,
+                                                     length, width):
+    """A bf16 prompt chunk through the kernels: MLX's bf16 attention, whatever the mask
+    (causal inside the softmax kernel; bool and bf16 additive ones built here); a float32
+    additive mask is MLX's own error, as on MLX's path. The softmax is MLX's bit for bit; the
+    two products sum their exact float32 terms in the BLAS's order, not MLX's, so now and then
+    (~1e-4 of the outputs with MKL) a sum on a bf16 rounding boundary rounds the other way:
+    one bf16 step apart, nothing more."""
+    if mas_kernels is None:
+        pytest.skip("mas_kernels is not built")
+    monkeypatch.setattr(fastmath, "_kernels", mas_kernels)
+    mx.random.seed(5)
+    q = (mx.random.normal((b, heads, length, 64)) * 2).astype(mx.bfloat16)
+    k, v = (mx.random.normal((2, b, kv_heads, width, 64)) * 2).astype(mx.bfloat16)
+    m = MASKS[mask](b, heads, length, width)
+    if isinstance(m, mx.array) and m.dtype == mx.float32:
+        with fastmath.active(), pytest.raises(ValueError, match="Mask type must promote"):
+            fastmath.attention(q, k, v, None, scale=0.125, mask=m)
+        m = m.astype(mx.bfloat16)
+    want = base.scaled_dot_product_attention(q, k, v, None, scale=0.125, mask=m)
+    with fastmath.active():
+        got = fastmath.attention(q, k, v, None, scale=0.125, mask=m)
+    assert got.dtype == mx.bfloat16
+    g, w = (np.array(a.astype(mx.float32)) for a in (got, want))
+    off = g != w
+    assert off.mean() < 1e-3
+    big = np.maximum(np.abs(g), np.abs(w))[off]
+    step = 2.0 ** (np.floor(np.log2(big)) - 7)  # one bf16 step there (8 significant bits)
+    # ... or, where the sum cancelled to near 0, float32 rounding of its terms' size.
+    assert (np.abs(g - w)[off] <= np.maximum(step, 1e-5 * np.abs(w).max())).all()
 
 
 def test_small_or_low_precision_inputs_stay_on_mlx(path):

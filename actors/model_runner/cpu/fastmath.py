@@ -18,9 +18,9 @@ mlx_lm.generate (tests/unit/test_fastmath.py, and every runner oracle test runs 
 Each layer that takes the NumPy path evaluates its graph up to there (the NumPy call needs the
 values). That costs nothing measurable at the sizes where it is used (at least MIN_ELEMENTS
 values); smaller ones, and float16, quantized caches, attention sinks, GPU, stay on MLX's
-path, bit for bit. bfloat16 takes the kernels where they are built, with MLX's bf16 bits
-(each result rounded where MLX rounds it, its exp reproduced: native/src/mlx_math.h), and
-otherwise MLX's path.
+path, bit for bit. bfloat16 takes the kernels where they are built, with MLX's bf16 results
+(each rounded where MLX rounds it, its exp reproduced: native/src/mlx_math.h; the attention's
+products sum in the BLAS's order), and otherwise MLX's path.
 
 mlx-lm's model modules call `scaled_dot_product_attention` and `swiglu` through their module
 globals; install() points those names at dispatchers that take the NumPy path only on a thread
@@ -85,8 +85,13 @@ def softmax(scores: mx.array) -> mx.array:
 _UNSUPPORTED = object()
 
 
-def _group_mask(mask, heads: int, kv_heads: int, length: int, width: int):
-    """The mask as a bool or additive array that broadcasts over scores shaped
+# The additive masks MLX's attention takes for each output dtype: those that promote to it (a
+# float32 mask on bf16 scores is MLX's ValueError, which its own path then raises).
+_ADDITIVE = {mx.float32: (mx.float32, mx.bfloat16), mx.bfloat16: (mx.bfloat16,)}
+
+
+def _group_mask(mask, heads: int, kv_heads: int, length: int, width: int, dtype: mx.Dtype):
+    """The mask as a bool or additive array that broadcasts over scores of `dtype` shaped
     [b, kv_heads, group, length, width]; None for no mask; _UNSUPPORTED for other kinds."""
     if mask is None:
         return None
@@ -94,7 +99,7 @@ def _group_mask(mask, heads: int, kv_heads: int, length: int, width: int):
         if mask != "causal":
             return _UNSUPPORTED
         return mx.arange(width - length, width)[:, None] >= mx.arange(width)[None]
-    if mask.dtype not in (mx.bool_, mx.float32, mx.bfloat16) or mask.ndim not in (2, 4):
+    if (mask.dtype != mx.bool_ and mask.dtype not in _ADDITIVE[dtype]) or mask.ndim not in (2, 4):
         return _UNSUPPORTED
     if mask.ndim == 2:
         return mask
@@ -108,38 +113,40 @@ def _group_mask(mask, heads: int, kv_heads: int, length: int, width: int):
 def attention(queries: mx.array, keys: mx.array, values: mx.array, cache, scale: float,
               mask, sinks=None) -> mx.array:
     """mlx-lm's scaled_dot_product_attention, with the softmax through the kernel (the causal
-    mask inside it), else NumPy, where it pays."""
+    mask inside it), else NumPy, where it pays. A bf16 model's takes the kernel's bf16
+    softmax (MLX's own bits) and its products through the float32 BLAS (_bf16_product): MLX's
+    bf16 matmul and exp are scalar code on x86, 940 of a 1,240 ms 512-token prefill of
+    qwen3-small-bf16."""
     b, heads, length, dim = queries.shape
     kv_heads, width = keys.shape[1], keys.shape[2]
+    bf16 = _bf16_kernel_path(queries, keys, values)
     stock = (sinks is not None or hasattr(cache, "bits")
-             or b * heads * length * width < MIN_ELEMENTS)
-    if not stock and _bf16_kernel_path(queries, keys, values):
-        grouped = (None if isinstance(mask, str) and mask == "causal"
-                   else _group_mask(mask, heads, kv_heads, length, width))
-        if grouped is not _UNSUPPORTED:
-            return _bf16_attention(queries, keys, values, scale, mask, grouped)
-    stock = stock or not _wanted(queries, keys, values)
+             or b * heads * length * width < MIN_ELEMENTS
+             or not (bf16 or _wanted(queries, keys, values)))
     # The kernel applies a causal mask itself (rows are (group, query): row r is query
     # r % length, as it counts); other masks are built here.
     causal = _kernels is not None and isinstance(mask, str) and mask == "causal"
     grouped = (_UNSUPPORTED if stock else None if causal
-               else _group_mask(mask, heads, kv_heads, length, width))
+               else _group_mask(mask, heads, kv_heads, length, width, queries.dtype))
     if grouped is _UNSUPPORTED:
         return _stock_attention(queries, keys, values, cache=cache, scale=scale, mask=mask,
                                 sinks=sinks)
     group = heads // kv_heads  # query heads sharing one KV head, adjacent as in MLX's GQA
-    scores = (queries * scale).reshape(b, kv_heads, group * length, dim) @ keys.swapaxes(-1, -2)
+    product = _bf16_product if bf16 else mx.matmul
+    # q * scale in the queries' dtype, as MLX scales them (bf16: rounded).
+    scores = product((queries * scale).reshape(b, kv_heads, group * length, dim),
+                     keys.swapaxes(-1, -2))
     if causal:
-        return (_kernels.softmax(scores, length) @ values).reshape(b, heads, length, dim)
+        return product(_kernels.softmax(scores, length), values).reshape(b, heads, length, dim)
     if grouped is not None:
         scores = scores.reshape(b, kv_heads, group, length, width)
         if grouped.dtype == mx.bool_:
             scores = mx.where(grouped, scores, mx.finfo(scores.dtype).min)
         else:
-            scores = scores + grouped
+            scores = scores + grouped.astype(scores.dtype)  # as MLX casts it
         scores = scores.reshape(b, kv_heads, group * length, width)
-    out = (_kernels.softmax(scores) if _kernels is not None else softmax(scores)) @ values
-    return out.reshape(b, heads, length, dim)
+    weights = _kernels.softmax(scores) if _kernels is not None else softmax(scores)
+    return product(weights, values).reshape(b, heads, length, dim)
 
 
 def _bf16_kernel_path(*arrays: mx.array) -> bool:
@@ -147,33 +154,12 @@ def _bf16_kernel_path(*arrays: mx.array) -> bool:
             and all(a.dtype == mx.bfloat16 for a in arrays))
 
 
-def _bf16_attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask,
-                    grouped) -> mx.array:
-    """A bf16 model's attention over a prompt chunk, with MLX's bf16 results: MLX's own (its
-    bf16 matmul and exp are scalar code on x86) took 940 of a 1,240 ms 512-token prefill of
-    qwen3-small-bf16. Its products of bf16 values are exact in float32, so the float32 BLAS
-    gives MLX's sums up to their order; each result is rounded to bf16 where MLX rounds it
-    (q * scale, the scores, the masked scores, the output), and the kernel's bf16 softmax is
-    MLX's own bit for bit."""
-    b, heads, length, dim = queries.shape
-    kv_heads, width = keys.shape[1], keys.shape[2]
-    group = heads // kv_heads
-    f32, bf16 = mx.float32, mx.bfloat16
-    q = (queries * scale).reshape(b, kv_heads, group * length, dim)  # rounded by MLX, bf16
-    scores = (q.astype(f32) @ keys.astype(f32).swapaxes(-1, -2)).astype(bf16)
-    if grouped is None and mask is not None:  # causal: inside the kernel's softmax
-        weights = _kernels.softmax(scores, length)
-    else:
-        if grouped is not None:
-            scores = scores.reshape(b, kv_heads, group, length, width)
-            if grouped.dtype == mx.bool_:
-                scores = mx.where(grouped, scores, mx.finfo(bf16).min)
-            else:
-                scores = scores + grouped.astype(bf16)
-            scores = scores.reshape(b, kv_heads, group * length, width)
-        weights = _kernels.softmax(scores)
-    out = weights.astype(f32) @ values.astype(f32)
-    return out.astype(bf16).reshape(b, heads, length, dim)
+def _bf16_product(a: mx.array, b: mx.array) -> mx.array:
+    """a @ b of bf16 arrays as MLX's bf16 matmul gives it (float32 sums rounded to bf16),
+    through the float32 BLAS: products of bf16 values are exact in float32, so only the order
+    of the sums differs, and the rounding to bf16 hides that but for a sum on a rounding
+    boundary (~1e-4 of a prompt chunk's attention outputs with MKL: one bf16 step)."""
+    return (a.astype(mx.float32) @ b.astype(mx.float32)).astype(mx.bfloat16)
 
 
 def _kernel_path(gate: mx.array, *others: mx.array) -> bool:
