@@ -215,8 +215,8 @@ class ModelRunner:
     def _head(self, rows: list[int]) -> AbstractContextManager[greedy_head.Captured | None]:
         """Where every row is greedy (plain, or constrained by its grammar's mask alone) and
         the greedy head stands in for the model's LM head (cpu/greedy_head.py), the forward's
-        head only hands over its input; where
-        snapshots keep the head's input, the head records it and runs."""
+        head only hands over its input; where snapshots keep the head's input, the head
+        records it and runs."""
         if self.cpu.greedy is not None and self.sampler.greedy(rows):
             return greedy_head.capture()
         if self.head is not None:

@@ -224,8 +224,8 @@ class Sampler:
         """uint32 [len(rows), words] bit masks of the tokens each row may draw next (all for
         unconstrained rows), or None where no row is constrained. Reads the constrained rows'
         last tokens into their matchers (once per step, as process() does)."""
-        held = [i for i, r in enumerate(rows) if self.masked[r]]
-        if not held:
+        held = np.flatnonzero(self.masked[np.asarray(rows, np.int64)])  # every greedy step
+        if not held.size:
             return None
         bits = self.grammar.next_masks([rows[i] for i in held],
                                        [self.params[rows[i]].stop_ids for i in held])
