@@ -95,7 +95,7 @@ def main(argv=None) -> None:
     print("-" * len(head))
     mx.random.seed(0)
     for name in args.shapes.split(","):
-        K, N = SHAPES[name]
+        K, N = SHAPES[name] if name in SHAPES else map(int, name.split("x"))
         w = mx.random.normal((N, K)) * 0.02
         q4 = mx.quantize(w.astype(mx.bfloat16), group_size=gs, bits=4)
         q8 = mx.quantize(w.astype(mx.bfloat16), group_size=gs, bits=8)

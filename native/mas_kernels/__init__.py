@@ -6,7 +6,9 @@
     decode_attention(q, k, v, pages, lengths, scale, *, stream=None) -> mx.array
     rms_norm(x, weight, eps, *, stream=None) -> mx.array
     rope(x, dims, traditional, base, scale, offsets, *, stream=None) -> mx.array
-    greedy_head(x, w, wq, stats, bf16_logits=False, *, stream=None) -> mx.array
+    greedy_head(x, w, wq, stats, bf16_logits=False, allowed=None, *, stream=None) -> mx.array
+    greedy_head_quantized(x, codes, table, stats, group_size, bits, bf16_logits=False,
+                          allowed=None, *, stream=None) -> mx.array
     gated_delta(q, k, v, g, beta, state, *, stream=None) -> (y, state)
     causal_conv(x, w, *, stream=None) -> mx.array
     silu(gate, x=None, *, stream=None) -> mx.array
@@ -34,6 +36,8 @@ decode_attention = _ext.decode_attention
 rms_norm = _ext.rms_norm
 rope = _ext.rope
 greedy_head = _ext.greedy_head
+greedy_head_quantized = _ext.greedy_head_quantized
+qhead_fast = _ext.qhead_fast
 gated_delta = _ext.gated_delta
 causal_conv = _ext.causal_conv
 silu = _ext.silu
@@ -46,6 +50,5 @@ threads = _ext.threads
 set_threads = _ext.set_threads
 
 __all__ = ["affine_qmm", "bf16_matmul", "decode_attention", "f32_matmul", "gated_delta",
-           "greedy_head",
-           "has_isa", "head_x_levels", "isa", "rms_norm", "rope", "set_isa", "set_threads",
-           "threads"]
+           "greedy_head", "greedy_head_quantized", "has_isa", "head_x_levels", "isa",
+           "qhead_fast", "rms_norm", "rope", "set_isa", "set_threads", "threads"]

@@ -111,4 +111,13 @@ void head(const HeadArgs& a) {
   }
 }
 
+void qhead(const QHeadArgs& a) {
+#if MAS_X86
+  if (head_path() == Isa::avx512) return avx512::qhead(a);
+#endif
+  return scalar::qhead(a);
+}
+
+bool qhead_fast() { return head_path() == Isa::avx512; }
+
 }  // namespace mas

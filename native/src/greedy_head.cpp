@@ -68,11 +68,58 @@ inline bool allows(const uint32_t* mask, int64_t n) {
   return mask == nullptr || ((mask[n >> 5] >> (n & 31)) & 1u);
 }
 
+// A dense head's rows: float32 or bfloat16 [N, K] and their int8 copy.
 template <class T>
+struct DenseRows {
+  const T* w;
+  const uint8_t* wq;
+  int64_t K, Kp;
+  double dot(const float* x, int64_t n) const { return exact_dot(x, w + n * K, K); }
+  int64_t x_at(int64_t k) const { return k; }
+  int64_t groups() const { return 0; }
+  void screen(const HeadArgs& a, const float*) const {
+    HeadArgs b = a;
+    b.w = wq;
+    head(b);
+  }
+};
+
+// A quantized head's rows, from the model's own packed words (QHeadArgs): w = scale * q + bias.
+struct QuantRows {
+  const uint32_t* codes;
+  const float* table;
+  int64_t K, G, row_words;
+  int bits, group_size;
+  double dot(const float* x, int64_t n) const {
+    const uint32_t* row = codes + n * row_words;
+    const float* tab = table + (n / 16) * G * 32 + n % 16;
+    const int per_word = 32 / bits;
+    const uint32_t mask = (1u << bits) - 1u;
+    double sum = 0.0;
+    for (int64_t k = 0; k < K; ++k) {
+      const int64_t g = k / group_size;
+      const double q = (row[k / per_word] >> (bits * (k % per_word))) & mask;
+      sum += static_cast<double>(x[k]) * (double(tab[g * 32]) * q + double(tab[g * 32 + 16]));
+    }
+    return sum;
+  }
+  // Where x's value k sits for the kernels: 4-bit runs of 8 as 0, 2, 4, 6, 1, 3, 5, 7.
+  int64_t x_at(int64_t k) const {
+    if (bits != 4) return k;
+    const int64_t e = k % 8;
+    return k - e + (e & 1) * 4 + (e >> 1);
+  }
+  int64_t groups() const { return G; }
+  void screen(const HeadArgs& a, const float* xsum) const {
+    qhead(QHeadArgs{a, codes, table, xsum, row_words, G, bits, group_size});
+  }
+};
+
+template <class Rows>
 struct Scan {
   const float* x;
-  const T* w;
-  int64_t N, K;
+  const Rows& rows;
+  int64_t N;
   bool bf16_logits;
   const uint32_t* mask;
   std::vector<Best> parts;
@@ -80,26 +127,26 @@ struct Scan {
 
 constexpr int64_t kScanRows = 4096;
 
-template <class T>
+template <class Rows>
 void scan_task(void* ctx, int64_t task) {
-  auto& s = *static_cast<Scan<T>*>(ctx);
+  auto& s = *static_cast<Scan<Rows>*>(ctx);
   const int64_t end = std::min(s.N, (task + 1) * kScanRows);
   Best b;
   for (int64_t n = task * kScanRows; n < end; ++n) {
     if (!allows(s.mask, n)) continue;
-    const double v = exact_dot(s.x, s.w + n * s.K, s.K);
+    const double v = s.rows.dot(s.x, n);
     b.offer(s.bf16_logits ? bf16_round(v) : v, static_cast<int32_t>(n));
   }
   s.parts[task] = b;
 }
 
 // Every row of w, exactly: for the rows of x whose candidates did not narrow down.
-template <class T>
-int32_t full_scan(const float* x, const T* w, int64_t N, int64_t K, bool bf16_logits,
+template <class Rows>
+int32_t full_scan(const float* x, const Rows& rows, int64_t N, bool bf16_logits,
                   const uint32_t* mask) {
-  Scan<T> s{x, w, N, K, bf16_logits, mask,
-            std::vector<Best>((N + kScanRows - 1) / kScanRows)};
-  parallel_for(static_cast<int64_t>(s.parts.size()), scan_task<T>, &s);
+  Scan<Rows> s{x, rows, N, bf16_logits, mask,
+               std::vector<Best>((N + kScanRows - 1) / kScanRows)};
+  parallel_for(static_cast<int64_t>(s.parts.size()), scan_task<Rows>, &s);
   Best b;
   for (const Best& p : s.parts) {
     if (p.index >= 0) b.offer(p.value, p.index);
@@ -107,9 +154,10 @@ int32_t full_scan(const float* x, const T* w, int64_t N, int64_t K, bool bf16_lo
   return b.index < 0 ? 0 : b.index;
 }
 
-template <class T>
-void run(const float* x, const T* w, const uint8_t* wq, const float* stats, int32_t* out,
-         int64_t M, int64_t N, int64_t K, int64_t Kp, int64_t Np, bool bf16_logits,
+// Kp: the length of x's quantized rows (a multiple of 64, zero past K).
+template <class Rows>
+void run(const float* x, const Rows& rows, const float* stats, int32_t* out, int64_t M,
+         int64_t N, int64_t K, int64_t Kp, int64_t Np, bool bf16_logits,
          const uint32_t* allowed, int64_t words) {
   // A logit r rounded to bf16 is within 2^-8 |t| of t, and |t| <= ||x|| ||W[n]||.
   const double rounding = bf16_logits ? 1.0 / 256 : 0.0;
@@ -118,6 +166,8 @@ void run(const float* x, const T* w, const uint8_t* wq, const float* stats, int3
   thread_local std::vector<int8_t> xq;
   thread_local std::vector<HeadTask> tasks;
   xq.assign(M * Kp, 0);
+  const int64_t G = rows.groups();
+  std::vector<float> xsum(M * G, 0.0f);  // quantized heads: x's sums per group
   std::vector<int32_t> xoff(M);
   std::vector<float> xscale(M), alpha(M), beta(M);
   std::vector<char> scan(M, 0);
@@ -141,8 +191,9 @@ void run(const float* x, const T* w, const uint8_t* wq, const float* stats, int3
     for (int64_t k = 0; k < K; ++k) {
       const double v = std::clamp(std::nearbyint(static_cast<double>(xr[k]) / xs),
                                   -double(levels), double(levels));
-      q[k] = static_cast<int8_t>(v);
-      sum += q[k];
+      q[rows.x_at(k)] = static_cast<int8_t>(v);
+      sum += static_cast<int64_t>(v);
+      if (G) xsum[m * G + k / (K / G)] += static_cast<float>(v);
       const double back = static_cast<double>(xs) * v;
       ex2 += (xr[k] - back) * (xr[k] - back);
       nq2 += back * back;
@@ -163,15 +214,15 @@ void run(const float* x, const T* w, const uint8_t* wq, const float* stats, int3
   uint32_t unset_bits;
   std::memcpy(&unset_bits, &unset, sizeof unset_bits);
   std::vector<uint32_t> shared_lo(M, unset_bits);
-  HeadArgs a{xq.data(), wq, stats, stats + Np, stats + 2 * Np, xoff.data(), xscale.data(),
-             alpha.data(), beta.data(), tasks.data(), shared_lo.data(), M, N, Kp,
+  HeadArgs a{xq.data(), nullptr, stats, stats + Np, stats + 2 * Np, xoff.data(),
+             xscale.data(), alpha.data(), beta.data(), tasks.data(), shared_lo.data(), M, N, Kp,
              kRowsPerTask, allowed, words};
-  head(a);
+  rows.screen(a, xsum.data());
   for (int64_t m = 0; m < M; ++m) {
     const float* xr = x + m * K;
     const uint32_t* mask = allowed ? allowed + m * words : nullptr;
     if (scan[m]) {
-      out[m] = full_scan(xr, w, N, K, bf16_logits, mask);
+      out[m] = full_scan(xr, rows, N, bf16_logits, mask);
       continue;
     }
     float lo = -HUGE_VALF;
@@ -183,15 +234,31 @@ void run(const float* x, const T* w, const uint8_t* wq, const float* stats, int3
         const int64_t end = std::min(N, (t + 1) * kRowsPerTask);
         for (int64_t n = t * kRowsPerTask; n < end; ++n) {
           if (!allows(mask, n)) continue;
-          b.offer(value(exact_dot(xr, w + n * K, K)), static_cast<int32_t>(n));
+          b.offer(value(rows.dot(xr, n)), static_cast<int32_t>(n));
         }
         continue;
       }
       for (int32_t i = 0; i < ts.count; ++i) {
-        if (ts.up[i] >= lo) b.offer(value(exact_dot(xr, w + ts.idx[i] * K, K)), ts.idx[i]);
+        if (ts.up[i] >= lo) b.offer(value(rows.dot(xr, ts.idx[i])), ts.idx[i]);
       }
     }
-    out[m] = b.index < 0 ? full_scan(xr, w, N, K, bf16_logits, mask) : b.index;
+    out[m] = b.index < 0 ? full_scan(xr, rows, N, bf16_logits, mask) : b.index;
+  }
+}
+
+// What both heads check: the stats, K, the masks.
+template <class Fail>
+void check_shared(const mx::array& x, int64_t N, int64_t K, const mx::array& stats,
+                  const std::optional<mx::array>& allowed, const Fail& fail) {
+  if (stats.ndim() != 2 || stats.dtype() != mx::float32 || stats.shape(0) != 3 ||
+      stats.shape(1) % 16 != 0 || stats.shape(1) < N) {
+    fail("stats must be float32 [3, Np], Np >= N a multiple of 16");
+  }
+  if (K > (1 << 16)) fail("K above 65,536 would overflow the int32 products");
+  if (allowed && (allowed->ndim() != 2 || allowed->dtype() != mx::uint32 ||
+                  allowed->shape(0) != x.shape(0) || allowed->shape(1) < (N + 31) / 32)) {
+    fail("allowed must be uint32 [M, words], words >= ceil(N / 32), got " +
+         shape_str(allowed->shape()));
   }
 }
 
@@ -215,16 +282,7 @@ mx::array greedy_head(const mx::array& x, const mx::array& w, const mx::array& w
       wq.shape(1) < K) {
     fail("wq must be uint8 [N, Kp], Kp >= K a multiple of 64");
   }
-  if (stats.ndim() != 2 || stats.dtype() != mx::float32 || stats.shape(0) != 3 ||
-      stats.shape(1) % 16 != 0 || stats.shape(1) < N) {
-    fail("stats must be float32 [3, Np], Np >= N a multiple of 16");
-  }
-  if (K > (1 << 16)) fail("K above 65,536 would overflow the int32 products");
-  if (allowed && (allowed->ndim() != 2 || allowed->dtype() != mx::uint32 ||
-                  allowed->shape(0) != x.shape(0) || allowed->shape(1) < (N + 31) / 32)) {
-    fail("allowed must be uint32 [M, words], words >= ceil(N / 32), got " +
-         shape_str(allowed->shape()));
-  }
+  check_shared(x, N, K, stats, allowed, fail);
   mx::Stream stream = cpu_stream(s, "greedy_head");
   std::vector<mx::array> inputs{x, w, wq, stats};
   if (allowed) inputs.push_back(*allowed);
@@ -252,15 +310,82 @@ void GreedyHead::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) 
                 round = bf16_logits_, ap = masked ? mask.data<uint32_t>() : nullptr, words]() {
     if (M == 0) return;
     if (wf != nullptr) {
-      run(xp, wf, qp, sp, op, M, N, K, Kp, Np, round, ap, words);
+      run(xp, DenseRows<float>{wf, qp, K, Kp}, sp, op, M, N, K, Kp, Np, round, ap, words);
     } else {
-      run(xp, wb, qp, sp, op, M, N, K, Kp, Np, round, ap, words);
+      run(xp, DenseRows<mx::bfloat16_t>{wb, qp, K, Kp}, sp, op, M, N, K, Kp, Np, round, ap,
+          words);
     }
   });
 }
 
 void GreedyHead::eval_gpu(const std::vector<mx::array>&, mx::array&) {
   throw std::runtime_error("mas_kernels.greedy_head has no GPU kernel: use mx.argmax(x @ w.T)");
+}
+
+mx::array greedy_head_quantized(const mx::array& x, const mx::array& codes,
+                                const mx::array& table, const mx::array& stats, int group_size,
+                                int bits, bool bf16_logits,
+                                const std::optional<mx::array>& allowed,
+                                mx::StreamOrDevice s) {
+  const auto fail = [&](const std::string& why) {
+    throw std::invalid_argument("greedy_head_quantized: " + why + " (x " +
+                                shape_str(x.shape()) + ", codes " + shape_str(codes.shape()) +
+                                ", table " + shape_str(table.shape()) + ", stats " +
+                                shape_str(stats.shape()) + ", group_size " +
+                                std::to_string(group_size) + ", bits " + std::to_string(bits) +
+                                ")");
+  };
+  if (x.ndim() != 2 || x.dtype() != mx::float32) fail("x must be float32 [M, K]");
+  if (bits != 4 && bits != 8) fail("bits must be 4 or 8");
+  if (group_size != 32 && group_size != 64 && group_size != 128) {
+    fail("group_size must be 32, 64 or 128");
+  }
+  const int64_t K = x.shape(1);
+  if (K % (bits == 4 ? 128 : 64) != 0 || K % group_size != 0) {
+    fail("K must be a multiple of the group size and of " + std::to_string(bits == 4 ? 128 : 64));
+  }
+  if (codes.ndim() != 2 || codes.dtype() != mx::uint32 || codes.shape(1) * 32 != K * bits) {
+    fail("codes must be uint32 [N, K * bits / 32]");
+  }
+  const int64_t N = codes.shape(0), G = K / group_size;
+  if (table.ndim() != 4 || table.dtype() != mx::float32 || table.shape(0) != (N + 15) / 16 ||
+      table.shape(1) != G || table.shape(2) != 2 || table.shape(3) != 16) {
+    fail("table must be float32 [ceil(N / 16), K / group_size, 2, 16]");
+  }
+  check_shared(x, N, K, stats, allowed, fail);
+  mx::Stream stream = cpu_stream(s, "greedy_head_quantized");
+  std::vector<mx::array> inputs{x, codes, table, stats};
+  if (allowed) inputs.push_back(*allowed);
+  return mx::array({x.shape(0)}, mx::int32,
+                   std::make_shared<GreedyHeadQuantized>(stream, bf16_logits, group_size, bits),
+                   std::move(inputs));
+}
+
+void GreedyHeadQuantized::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
+  auto& enc = mx::cpu::get_command_encoder(stream());
+  out.set_data(mx::allocator::malloc(out.nbytes()));
+  const mx::array x = row_contiguous(inputs[0], enc), codes = row_contiguous(inputs[1], enc);
+  const mx::array table = row_contiguous(inputs[2], enc), st = row_contiguous(inputs[3], enc);
+  for (const auto& a : {x, codes, table, st}) enc.set_input_array(a);
+  const bool masked = inputs.size() > 4;
+  const mx::array mask = masked ? row_contiguous(inputs[4], enc) : inputs[0];
+  if (masked) enc.set_input_array(mask);
+  const int64_t words = masked ? mask.shape(1) : 0;
+  enc.set_output_array(out);
+  const int64_t M = x.shape(0), N = codes.shape(0), K = x.shape(1), Np = st.shape(1);
+  const QuantRows rows{codes.data<uint32_t>(), table.data<float>(), K, K / group_size_,
+                       codes.shape(1), bits_, group_size_};
+  enc.dispatch([xp = x.data<float>(), rows, sp = st.data<float>(), op = out.data<int32_t>(), M,
+                N, K, Np, round = bf16_logits_, ap = masked ? mask.data<uint32_t>() : nullptr,
+                words]() {
+    if (M == 0) return;
+    run(xp, rows, sp, op, M, N, K, K, Np, round, ap, words);
+  });
+}
+
+void GreedyHeadQuantized::eval_gpu(const std::vector<mx::array>&, mx::array&) {
+  throw std::runtime_error(
+      "mas_kernels.greedy_head_quantized has no GPU kernel: use the quantized head's logits");
 }
 
 }  // namespace mas

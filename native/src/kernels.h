@@ -135,7 +135,23 @@ struct HeadArgs {
   int64_t words;
 };
 
+// The greedy head over a quantized head's own codes (mlx's affine layout, 4 or 8 bits): no
+// copy of W, so no error from one. h.x holds x[m] quantized, in the order the packed words hold
+// their values (4-bit: each run of 8 as 0, 2, 4, 6, 1, 3, 5, 7, the low then the high nibbles
+// of a word's four bytes); h.w, h.wscale and h.xoff are unused; h.werr[n] bounds the float32
+// rounding of the products below. approx = xscale * sum over groups g of
+// (scale[n, g] * (x[m] . q[n, g]) + bias[n, g] * xsum[m, g]), with x[m] . q in integers.
+struct QHeadArgs {
+  HeadArgs h;              // h.Kp = K: a multiple of 128 (4-bit) or 64 (8-bit)
+  const uint32_t* codes;   // [N, row_words]: the model's packed weight
+  const float* table;      // [ceil(N / 16), G, 2, 16]: 16 rows' scales, then their biases
+  const float* xsum;       // [M, G]: the sum of h.x[m] over each group
+  int64_t row_words, G;
+  int bits, group_size;    // 4 or 8; 32, 64 or 128
+};
+
 namespace scalar {
+void qhead(const QHeadArgs& a);
 void gated_delta(const DeltaArgs& a);
 void silu_values(const ActArgs& a);
 void conv_values(const ConvArgs& a);
@@ -158,6 +174,7 @@ void attention(const AttnArgs& a);
 void head(const HeadArgs& a);
 }  // namespace avx2
 namespace avx512 {
+void qhead(const QHeadArgs& a);
 void gated_delta(const DeltaArgs& a);
 void silu_values(const ActArgs& a);
 void conv_values(const ConvArgs& a);
@@ -184,6 +201,10 @@ void silu_values(const ActArgs& a);
 void conv_values(const ConvArgs& a);
 void softmax_rows(const SoftmaxArgs& a);
 void head(const HeadArgs& a);
+void qhead(const QHeadArgs& a);
+// Whether qhead has a vectorized path on this CPU (AVX-512 VNNI): elsewhere it is scalar
+// code, right but slower than the quantized head's own products.
+bool qhead_fast();
 // The levels x is quantized to for head() on the path in use: 127, or 63 where the int8
 // products go through vpmaddubsw (AVX2), whose 16-bit pair sums would saturate at 127.
 int head_x_levels();

@@ -318,11 +318,135 @@ void head_task(void* ctx, int64_t task) {
   });
 }
 
+// The quantized head: 16 rows per vector, one row per lane, so a group's scale and bias
+// apply to 16 rows in one FMA each and no sum crosses lanes. A block's packed words are
+// transposed once (16 x 16 dwords per 64-byte step of its rows) into the thread's buffer, the
+// 4-bit nibbles split there too; each row of x then reads it from L1 with vpdpbusd taking x's
+// four bytes by broadcast from memory.
+inline void transpose16(__m512i* r) {
+  __m512i t[16], u[16];
+  for (int i = 0; i < 8; ++i) {  // lane L: (a0 b0 a1 b1), (a2 b2 a3 b3) of rows 2i, 2i + 1
+    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {  // u[4i + j], lane L: dword 4L + j of rows 4i .. 4i + 3
+    u[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+    u[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+    u[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+    u[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+  }
+  for (int j = 0; j < 4; ++j) {  // r[4L + j]: dword 4L + j of every row
+    const __m512i v0 = _mm512_shuffle_i32x4(u[j], u[4 + j], _MM_SHUFFLE(1, 0, 1, 0));
+    const __m512i v1 = _mm512_shuffle_i32x4(u[j], u[4 + j], _MM_SHUFFLE(3, 2, 3, 2));
+    const __m512i w0 = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], _MM_SHUFFLE(1, 0, 1, 0));
+    const __m512i w1 = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], _MM_SHUFFLE(3, 2, 3, 2));
+    r[j] = _mm512_shuffle_i32x4(v0, w0, _MM_SHUFFLE(2, 0, 2, 0));
+    r[4 + j] = _mm512_shuffle_i32x4(v0, w0, _MM_SHUFFLE(3, 1, 3, 1));
+    r[8 + j] = _mm512_shuffle_i32x4(v1, w1, _MM_SHUFFLE(2, 0, 2, 0));
+    r[12 + j] = _mm512_shuffle_i32x4(v1, w1, _MM_SHUFFLE(3, 1, 3, 1));
+  }
+}
+
+// acc += the four byte products of w (unsigned) and x's four bytes at p, in every lane.
+inline void dpbusd_bcast(__m512i& acc, __m512i w, const int8_t* p) {
+  asm("vpdpbusd %2%{1to16%}, %1, %0"
+      : "+v"(acc)
+      : "v"(w), "m"(*reinterpret_cast<const int32_t*>(p)));
+}
+
+// buf: per word d of the block's rows, one vector (8-bit) or two (4-bit: the low nibbles,
+// then the high ones) of 16 rows x 4 bytes.
+template <int BITS>
+void qhead_tile(const QHeadArgs& q, const uint32_t* const* rows, __m512i* buf) {
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  for (int64_t c = 0; c < q.row_words; c += 16) {
+    __m512i r[16];
+    for (int j = 0; j < 16; ++j) r[j] = _mm512_loadu_si512(rows[j] + c);
+    transpose16(r);
+    for (int t = 0; t < 16; ++t) {
+      if (BITS == 4) {
+        buf[2 * (c + t)] = _mm512_and_si512(r[t], low);
+        buf[2 * (c + t) + 1] = _mm512_and_si512(_mm512_srli_epi16(r[t], 4), low);
+      } else {
+        buf[c + t] = r[t];
+      }
+    }
+  }
+}
+
+template <int MR, int BITS>
+void qhead_dots(const QHeadArgs& q, const __m512i* buf, int64_t n0, int64_t m0, float* out) {
+  const HeadArgs& a = q.h;
+  const int8_t* xr[MR];
+  for (int i = 0; i < MR; ++i) xr[i] = a.x + (m0 + i) * a.Kp;
+  const float* xsum = q.xsum + m0 * q.G;
+  const float* tab = q.table + (n0 / kHeadTile) * q.G * 32;
+  const int64_t words = q.group_size * BITS / 32;  // per group
+  vf accf[MR];
+  for (int i = 0; i < MR; ++i) accf[i] = vzero();
+  for (int64_t g = 0; g < q.G; ++g) {
+    __m512i acc[MR];
+    for (int i = 0; i < MR; ++i) acc[i] = _mm512_setzero_si512();
+    for (int64_t d = g * words; d < (g + 1) * words; ++d) {
+      if (BITS == 4) {
+        const __m512i lo = buf[2 * d], hi = buf[2 * d + 1];
+        for (int i = 0; i < MR; ++i) {
+          dpbusd_bcast(acc[i], lo, xr[i] + 8 * d);
+          dpbusd_bcast(acc[i], hi, xr[i] + 8 * d + 4);
+        }
+      } else {
+        const __m512i v = buf[d];
+        for (int i = 0; i < MR; ++i) dpbusd_bcast(acc[i], v, xr[i] + 4 * d);
+      }
+    }
+    const vf scale = vload(tab + g * 32), bias = vload(tab + g * 32 + 16);
+    for (int i = 0; i < MR; ++i) {
+      accf[i] = vfma(_mm512_cvtepi32_ps(acc[i]), scale, accf[i]);
+      accf[i] = vfma(bias, _mm512_set1_ps(xsum[i * q.G + g]), accf[i]);
+    }
+  }
+  for (int i = 0; i < MR; ++i) {
+    vstore(out + i * kHeadTile, _mm512_mul_ps(accf[i], _mm512_set1_ps(a.xscale[m0 + i])));
+  }
+}
+
+template <int BITS>
+void qhead_task(void* ctx, int64_t task) {
+  const QHeadArgs& q = *static_cast<const QHeadArgs*>(ctx);
+  // Slot 1 (the dequantized tiles of qmm; never both in one task): 64-byte aligned.
+  __m512i* buf = reinterpret_cast<__m512i*>(
+      thread_buffer(1, static_cast<size_t>(q.row_words) * (BITS == 4 ? 2 : 1) * 16));
+  int64_t base = 0;
+  qhead_run<8>(
+      q, task,
+      [&](int64_t n0, const uint32_t* const* rows) {
+        base = n0;
+        qhead_tile<BITS>(q, rows, buf);
+      },
+      [&](int64_t m0, int mr, float* out) {
+        switch (mr) {
+          case 8: return qhead_dots<8, BITS>(q, buf, base, m0, out);
+          case 7: return qhead_dots<7, BITS>(q, buf, base, m0, out);
+          case 6: return qhead_dots<6, BITS>(q, buf, base, m0, out);
+          case 5: return qhead_dots<5, BITS>(q, buf, base, m0, out);
+          case 4: return qhead_dots<4, BITS>(q, buf, base, m0, out);
+          case 3: return qhead_dots<3, BITS>(q, buf, base, m0, out);
+          case 2: return qhead_dots<2, BITS>(q, buf, base, m0, out);
+          default: return qhead_dots<1, BITS>(q, buf, base, m0, out);
+        }
+      });
+}
+
 }  // namespace
 
 void head(const HeadArgs& a) {
   parallel_for((a.N + a.rows_per_task - 1) / a.rows_per_task, head_task,
                const_cast<HeadArgs*>(&a));
+}
+
+void qhead(const QHeadArgs& a) {
+  parallel_for((a.h.N + a.h.rows_per_task - 1) / a.h.rows_per_task,
+               a.bits == 4 ? qhead_task<4> : qhead_task<8>, const_cast<QHeadArgs*>(&a));
 }
 
 }  // namespace mas::avx512

@@ -151,11 +151,55 @@ void head_task(void* ctx, int64_t task) {
   });
 }
 
+// The quantized head from the packed words as they are: per row, group by group, the
+// integer products, then scale and bias in float32 (the order AVX-512's lanes keep).
+void qhead_task(void* ctx, int64_t task) {
+  const QHeadArgs& q = *static_cast<const QHeadArgs*>(ctx);
+  const uint32_t* block[kHeadTile];
+  int64_t base = 0;
+  const int per_word = 32 / q.bits, words = q.group_size / per_word;
+  const uint32_t mask = (1u << q.bits) - 1u;
+  qhead_run<1>(
+      q, task,
+      [&](int64_t n0, const uint32_t* const* rows) {
+        base = n0;
+        for (int j = 0; j < kHeadTile; ++j) block[j] = rows[j];
+      },
+      [&](int64_t m0, int, float* out) {
+        const int8_t* xr = q.h.x + m0 * q.h.Kp;
+        const float* xsum = q.xsum + m0 * q.G;
+        const float* tab = q.table + (base / kHeadTile) * q.G * 32;
+        for (int j = 0; j < kHeadTile; ++j) {
+          float acc = 0.0f;
+          for (int64_t g = 0; g < q.G; ++g) {
+            int32_t dot = 0;
+            for (int64_t d = g * words; d < (g + 1) * words; ++d) {
+              const uint32_t word = block[j][d];
+              for (int e = 0; e < per_word; ++e) {
+                // x's byte for value e of word d: 4-bit words pair the low nibbles of their
+                // bytes with x's first four bytes of the run, the high ones with the last.
+                const int64_t at = q.bits == 4 ? 8 * d + (e & 1) * 4 + (e >> 1) : 4 * d + e;
+                dot += static_cast<int32_t>((word >> (q.bits * e)) & mask) * xr[at];
+              }
+            }
+            acc = __builtin_fmaf(static_cast<float>(dot), tab[g * 32 + j], acc);
+            acc = __builtin_fmaf(tab[g * 32 + 16 + j], xsum[g], acc);
+          }
+          out[j] = acc * q.h.xscale[m0];
+        }
+      });
+}
+
 }  // namespace
 
 void head(const HeadArgs& a) {
   parallel_for((a.N + a.rows_per_task - 1) / a.rows_per_task, head_task,
                const_cast<HeadArgs*>(&a));
+}
+
+void qhead(const QHeadArgs& a) {
+  parallel_for((a.h.N + a.h.rows_per_task - 1) / a.h.rows_per_task, qhead_task,
+               const_cast<QHeadArgs*>(&a));
 }
 
 }  // namespace mas::scalar

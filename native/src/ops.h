@@ -176,6 +176,40 @@ class GreedyHead : public mx::UnaryPrimitive {
   bool bf16_logits_;
 };
 
+// greedy_head for a quantized head (mlx's affine layout, 4 or 8 bits), from its own packed
+// words codes [N, K * bits / 32] uint32: table float32 [ceil(N / 16), K / group_size, 2, 16]
+// (16 rows' scales of each group, then their biases), stats float32 [3, Np] (unused, ||w[n]||,
+// the bound on the float32 rounding of the screening products; greedy_head.py prepares them).
+// K a multiple of 128 (4-bit) or 64 (8-bit) and of group_size (32, 64 or 128).
+mx::array greedy_head_quantized(const mx::array& x, const mx::array& codes,
+                                const mx::array& table, const mx::array& stats, int group_size,
+                                int bits, bool bf16_logits = false,
+                                const std::optional<mx::array>& allowed = std::nullopt,
+                                mx::StreamOrDevice s = {});
+
+class GreedyHeadQuantized : public mx::UnaryPrimitive {
+ public:
+  GreedyHeadQuantized(mx::Stream stream, bool bf16_logits, int group_size, int bits)
+      : mx::UnaryPrimitive(stream),
+        bf16_logits_(bf16_logits),
+        group_size_(group_size),
+        bits_(bits) {}
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+  const char* name() const override { return "MasGreedyHeadQuantized"; }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    const auto& o = static_cast<const GreedyHeadQuantized&>(other);
+    return bf16_logits_ == o.bf16_logits_ && group_size_ == o.group_size_ && bits_ == o.bits_;
+  }
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    return {{inputs[0].shape(0)}};
+  }
+
+ private:
+  bool bf16_logits_;
+  int group_size_, bits_;
+};
+
 // The causal depthwise convolution of the gated-delta layers (gated_delta.cpp), float32:
 // x [B, T + K - 1, C] (the K - 1 positions before the chunk, then its T), w [K, C] ->
 // [B, T, C], out[b, t, c] = sum_j x[b, t + j, c] w[j, c].

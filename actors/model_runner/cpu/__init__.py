@@ -98,7 +98,9 @@ def install(model: nn.Module, runtime: RuntimeConfig, vocab_size: int) -> Instal
     head_modules = head.install(model, vocab_size)
     greedy = None
     if compiled is not None and runtime.greedy_head:
-        probed = greedy_head.probe(model)  # after head.install: its modules hand over x
+        # after head.install: its modules hand over x. Quantized heads only where the
+        # kernel is vectorized (its scalar code is slower than their own product).
+        probed = greedy_head.probe(model, quantized=compiled.qhead_fast())
         if probed is not None:
             greedy = greedy_head.GreedyHead(probed.weight, compiled, probed.bf16_logits)
     return Installed(
