@@ -20,6 +20,10 @@
 // are common and the lowest index wins), each bound also covers that rounding (half a bf16
 // ulp, at most 2^-8 of the value), and the exact products are rounded the same way before
 // they are compared.
+// A quantized head (4 or 8 bits, mlx's affine layout: greedy_head_quantized) is screened over
+// its own packed codes instead of a copy: W has no error of its own there, so each bound is
+// x's quantization (||x - xs xq|| ||W||) plus the float32 rounding of the per-group sums
+// (QHeadArgs, kernels.h), and the exact products dequantize the candidates' codes.
 #include <algorithm>
 #include <cmath>
 #include <cstring>

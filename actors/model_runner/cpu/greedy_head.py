@@ -146,6 +146,8 @@ class PreparedQuantized:
 
 
 def prepare_quantized(q: Quantized) -> PreparedQuantized:
+    """The scale/bias table and per-row bounds of a quantized head (its codes are used as
+    they are): 10 MB beside qwen3-small's 4-bit head of 42 MB."""
     n, k = q.codes.shape[0], q.k
     groups = k // q.group_size
     np_ = -(-n // _N_ALIGN) * _N_ALIGN
