@@ -20,7 +20,9 @@ class ModelInfo(msgspec.Struct, frozen=True):
     model_type: str
     kv_bytes_per_token: int = 0  # KV memory one token takes across the attention layers
     kv_value_bytes: int = 2  # of one K or V value, in the checkpoint's dtype
-    state_layers: int = 0  # linear-attention layers (hybrid models) keeping a recurrent state
+    # layers whose memory per request is fixed (a recurrent state, a sliding window): what a
+    # state slot holds for them
+    state_layers: int = 0
 
 
 def _ids(value) -> list[int]:
@@ -62,21 +64,33 @@ def read_model_info(path: str, name: str = "", context_length: int = 0) -> Model
                      state_layers=_state_layers(get))
 
 
+def layer_kinds(get) -> list[str]:
+    """Each layer's attention as config.json tells it: "full", "linear" (a recurrent state) or
+    "sliding" (a window). From `layer_types` where the config lists them, else from the
+    patterns of Qwen3.5 (`full_attention_interval`) and Gemma 3 (`sliding_window_pattern`)."""
+    layers = int(get("num_hidden_layers", 0))
+    types = get("layer_types")
+    if isinstance(types, list) and len(types) == layers:
+        named = {"linear_attention": "linear", "sliding_attention": "sliding"}
+        return [named.get(t, "full") for t in types]
+    if interval := get("full_attention_interval"):
+        return ["full" if (i + 1) % int(interval) == 0 else "linear" for i in range(layers)]
+    if (pattern := get("sliding_window_pattern")) and get("sliding_window"):
+        return ["full" if (i + 1) % int(pattern) == 0 else "sliding" for i in range(layers)]
+    return ["full"] * layers
+
+
 def _state_layers(get) -> int:
-    layers, interval = int(get("num_hidden_layers", 0)), get("full_attention_interval")
-    return sum(1 for i in range(layers) if (i + 1) % int(interval) != 0) if interval else 0
+    return sum(1 for kind in layer_kinds(get) if kind != "full")
 
 
 _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 
 def _kv_bytes_per_token(get) -> int:
-    """K and V of one token in every softmax-attention layer. Hybrid models (a full-attention
-    layer every `full_attention_interval`) keep a fixed-size state in the other layers."""
-    layers = int(get("num_hidden_layers", 0))
-    interval = get("full_attention_interval")
-    if interval:
-        layers = sum(1 for i in range(layers) if (i + 1) % int(interval) == 0)
+    """K and V of one token in every full-attention layer. Hybrid and sliding-window models
+    keep a fixed-size state or window in their other layers (the state slots')."""
+    layers = layer_kinds(get).count("full")
     heads = int(get("num_key_value_heads") or get("num_attention_heads", 0))
     head_dim = get("head_dim") or int(get("hidden_size", 0)) // max(1, int(get(
         "num_attention_heads", 1)))

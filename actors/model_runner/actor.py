@@ -46,11 +46,11 @@ class MlxThread(threading.Thread):
                              tokenizer_dir=info.path)
         # The scheduler sized its state slots from config.json (ModelInfo.state_layers); the
         # runner found the layers in the model itself. Serving on a disagreement would resume
-        # recurrent layers from nothing after a prefix hit: refuse to start instead.
-        linear = runner.layers.linear
-        if len(linear) != info.state_layers:
+        # recurrent or sliding-window layers from nothing after a prefix hit: refuse to start.
+        stateful = runner.layers.stateful
+        if len(stateful) != info.state_layers:
             raise ValueError(f"{info.path}: config.json implies {info.state_layers} recurrent-"
-                             f"state layers, the model has {len(linear)}")
+                             f"state or sliding-window layers, the model has {len(stateful)}")
         return runner
 
     def run(self) -> None:

@@ -35,6 +35,7 @@ import numpy as np
 from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
 
 from actors.model_runner.pipeline import before_host_sync
+from actors.model_runner.windows import row_window
 
 PAGE = 16  # tokens per page of the decode batch's K/V pool
 FIRST_PAGES = 64  # the pool's first size in pages; it doubles when a step needs more
@@ -343,11 +344,13 @@ class DecodeBatch:
     def kv_of(self, row: int) -> tuple[list[Any], int]:
         return self.caches, self.where[row]
 
-    def states_of(self, row: int, layers: list[int]) -> dict[int, list[mx.array | None]]:
-        """The row's recurrent state, copied out of the batch (a gather, not a view that
-        would keep the whole batch's arrays alive)."""
+    def states_of(self, row: int, layers: Any) -> dict[int, list[mx.array | None]]:
+        """The row's recurrent states and windows (layers.py's Layers), copied out of the batch
+        (a gather, not a view that would keep the whole batch's arrays alive)."""
         at = mx.array([self.where[row]])
-        return {i: [None if a is None else a[at] for a in self.caches[i].cache] for i in layers}
+        got = {i: [None if a is None else a[at] for a in self.caches[i].cache]
+               for i in layers.linear}
+        return got | {i: row_window(self.caches[i], self.where[row]) for i in layers.windows}
 
     # -- holes ----------------------------------------------------------------------------------
 

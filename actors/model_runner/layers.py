@@ -4,7 +4,8 @@
 The mlx-lm cache object a layer gets from `make_prompt_cache` is what the runner keeps for a
 request, so it decides the layer's kind (protocol.messages LAYER_*):
 - KVCache: "full", K and V of every position (the KV pool can hold a prefix of it);
-- RotatingKVCache: "sliding", K and V of the last `window` positions only;
+- RotatingKVCache: "sliding", K and V of the last `window` positions only (a snapshot in the
+  state pool: windows.py);
 - ArraysCache and its subclasses (MambaCache): "recurrent", one state (the state pool);
 - anything else: "other:<cache type>", served as mlx-lm serves it.
 The decode batch (decode_batch.py) keeps full-attention and recurrent layers in its own layout;
@@ -23,6 +24,7 @@ from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, make_prom
 from protocol.messages import LAYER_FULL, LAYER_OTHER, LAYER_RECURRENT, LAYER_SLIDING
 
 ATTENTION, LINEAR = "attention", "linear"
+STATEFUL = (LAYER_RECURRENT, LAYER_SLIDING)  # kept per request in the state pool
 BATCHED = ("filter", "extend")  # what the decode batch calls on an mlx-lm merged cache
 
 
@@ -32,7 +34,8 @@ class Layers:
 
     kinds: list[str]
     full: list[int]  # the KV pool's layers
-    linear: list[int]  # the state pool's layers
+    linear: list[int]  # recurrent layers: their state goes to the state pool
+    windows: list[int]  # sliding-window layers: their window goes to the state pool
     attention: list[int]  # caches that keep K/V and count positions in `offset`
     unpooled: list[int]  # layers the pools cannot restore a prefix of: KV ops are refused
 
@@ -41,9 +44,14 @@ class Layers:
         return cls(kinds=kinds,
                    full=[i for i, k in enumerate(kinds) if k == LAYER_FULL],
                    linear=[i for i, k in enumerate(kinds) if k == LAYER_RECURRENT],
+                   windows=[i for i, k in enumerate(kinds) if k == LAYER_SLIDING],
                    attention=[i for i, k in enumerate(kinds) if k in (LAYER_FULL, LAYER_SLIDING)],
-                   unpooled=[i for i, k in enumerate(kinds)
-                             if k not in (LAYER_FULL, LAYER_RECURRENT)])
+                   unpooled=[i for i, k in enumerate(kinds) if k not in STATEFUL + (LAYER_FULL,)])
+
+    @property
+    def stateful(self) -> list[int]:
+        """The layers a state slot holds: recurrent states and sliding windows."""
+        return sorted(self.linear + self.windows)
 
 
 def _is_attention(module: Any) -> bool:

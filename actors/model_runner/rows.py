@@ -43,6 +43,8 @@ from typing import Any
 import mlx.core as mx
 
 from actors.model_runner.decode_batch import DecodeBatch
+from actors.model_runner.layers import Layers
+from actors.model_runner.windows import window_of
 
 
 class StepError(RuntimeError):
@@ -92,13 +94,15 @@ class Rows:
         """The row holding this state slot live, if one does."""
         return next((r for r, s in self.state.items() if s == slot), None)
 
-    def live_states(self, row: int, layers: list[int]) -> dict[int, list[Any]] | None:
-        """The row's recurrent state now (layer -> its arrays), where its caches hold it: mid
-        prompt, or decoding. None before its first chunk, and once parked (the decode forward
-        runs parked positions too, so their state there is not theirs any more)."""
+    def live_states(self, row: int, layers: Layers) -> dict[int, list[Any]] | None:
+        """The row's state now (layer -> its arrays: a recurrent layer's state, a sliding
+        layer's window), where its caches hold it: mid prompt, or decoding. None before its
+        first chunk, and once parked (the decode forward runs parked positions too, so their
+        state there is not theirs any more)."""
         own = self._own_caches(row)
         if own is not None:
-            return {i: list(own[i].cache) for i in layers}
+            got = {i: list(own[i].cache) for i in layers.linear}
+            return got | {i: window_of(own[i]) for i in layers.windows}
         if row in self.decode.decoding:
             return self.decode.states_of(row, layers)
         return None

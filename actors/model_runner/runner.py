@@ -69,7 +69,7 @@ class ModelRunner:
             cache = make_prompt_cache(model)
             model(mx.array([[0]]), cache=cache)
             kv.open_first(cache)
-        states = StatePool(state_slots) if self.layers.linear and state_slots else None
+        states = StatePool(state_slots) if self.layers.stateful and state_slots else None
         # Hybrid models keep the head's input with a prompt's snapshot (storage.py) and sample
         # an exact repeat from it, through the head module found here.
         self.head = greedy_head.find_head(model) if states is not None else None

@@ -1,5 +1,6 @@
 """Runner memory addressed by the scheduler's ids: the KV pool (full-attention layers, one entry
-per KV slot) and the state pool (recurrent layers, one entry per state slot), and `Pools`, the
+per KV slot) and the state pool (recurrent layers and sliding windows, one entry per state
+slot), and `Pools`, the
 one place a deferred op (protocol.messages.OpKind) is applied to them. Which layer is which:
 layers.py; what each row holds between steps: rows.py.
 
@@ -20,6 +21,7 @@ import numpy as np
 from actors.model_runner.decode_batch import row_tokens
 from actors.model_runner.layers import Layers
 from actors.model_runner.rows import Rows, StepError
+from actors.model_runner.windows import restore_window
 from protocol import messages as m
 from protocol.codec import unpack_ids
 
@@ -107,7 +109,8 @@ class Located:
 
 class StatePool:
     """Per state slot, what the scheduler keeps there: the recurrent state of every linear
-    layer (layer -> its arrays, conv window and SSM state), or nothing (zeros: a fresh start);
+    layer (layer -> its arrays, conv window and SSM state) and the window of every sliding-
+    window layer (layer -> [keys, values], windows.py), or nothing (a fresh start);
     at a prompt's end also the LM head's input at its last token (key HEAD_INPUT: [input] or
     [input, the greedy head's token for it])
     A slot a row holds live is not written to: its state is the row's caches, read only when
@@ -186,13 +189,17 @@ class Pools:
                             "but its row has not sampled where its state is")
 
     def _check_restorable(self, what: str) -> None:
-        """A sliding-window layer keeps only its window, so the pool cannot give a prefix of
-        it back: the scheduler runs such a model with the prefix cache off."""
+        """Layers of a kind neither pool keeps cannot be given a prefix back: the scheduler
+        runs such a model with the prefix cache off."""
+        self._need(self.kv, "KV")
         unpooled = self.layers.unpooled
         if unpooled:
             kinds = sorted({self.layers.kinds[i] for i in unpooled})
             raise StepError(f"KV {what}, but layers {unpooled} ({', '.join(kinds)}) "
                             "cannot be restored from the KV pool")
+        if self.layers.stateful and self.states is None:
+            raise StepError(f"KV {what}, but layers {self.layers.stateful} resume from a state "
+                            "slot and this runner has no state pool")
 
     @staticmethod
     def _need(pool: Any, what: str) -> Any:
@@ -228,6 +235,8 @@ class Pools:
             value = self.states.take(state_slot)
             for layer in self.layers.linear if value else ():
                 cache[layer].cache = list(value[layer])
+            for layer in self.layers.windows if value else ():
+                restore_window(cache[layer], value[layer], len(kv_slots))
             if value and HEAD_INPUT in value:
                 return value[HEAD_INPUT]
         return None
@@ -242,7 +251,7 @@ class Pools:
         return pool.held.get(slot) if got is None else got
 
     def _live(self, row: int, rows: Rows) -> dict[int, list[mx.array | None]] | None:
-        got = rows.live_states(row, self.layers.linear)
+        got = rows.live_states(row, self.layers)
         head_input, greedy = (None, None) if got is None else rows.head_input_of(row)
         if head_input is not None:
             got[HEAD_INPUT] = [head_input] if greedy is None else [head_input, greedy]

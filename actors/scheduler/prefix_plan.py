@@ -2,11 +2,11 @@
 found when it loaded it (ModelLayers; DESIGN section 5, "Layer kinds and what a cached prefix
 holds for each").
 
-A radix node restores a prefix from KV slots (full-attention layers) and, for hybrid models, a
-state snapshot (recurrent layers). A sliding-window layer keeps only its last `window`
-positions, so neither restores it, and nothing restores a layer of another kind yet. For such a
-model the tree is not used at all: no prefix cache, and the n choices of a group each prefill
-their prompt (sharing it goes through the same KV save and load).
+A radix node restores a prefix from KV slots (full-attention layers) and, for hybrid and
+sliding-window models, a state snapshot (recurrent layers' states; sliding-window layers' last
+`window` positions: actors/model_runner/windows.py). Nothing restores a layer of another kind
+yet. For such a model the tree is not used at all: no prefix cache, and the n choices of a
+group each prefill their prompt (sharing it goes through the same KV save and load).
 """
 
 from __future__ import annotations
@@ -15,12 +15,7 @@ from dataclasses import dataclass, field
 
 from protocol.messages import LAYER_FULL, LAYER_RECURRENT, LAYER_SLIDING
 
-RESTORABLE = (LAYER_FULL, LAYER_RECURRENT)
-_WHY = {
-    LAYER_SLIDING: "sliding-window layers keep only the last `window` positions; prefix caching "
-                   "of sliding-window models (a window snapshot per radix node) is not "
-                   "supported yet",
-}
+RESTORABLE = (LAYER_FULL, LAYER_RECURRENT, LAYER_SLIDING)
 
 
 @dataclass(frozen=True)
@@ -40,6 +35,6 @@ def plan_prefix(kinds: list[str], wanted: bool) -> PrefixPlan:
             blocked.setdefault(kind, []).append(i)
     if not blocked:
         return PrefixPlan(prefix=wanted, share_groups=True)
-    reason = "; ".join(_WHY.get(kind, f"{kind} layers keep nothing a radix node can restore")
+    reason = "; ".join(f"{kind} layers keep nothing a radix node can restore"
                        for kind in blocked)
     return PrefixPlan(prefix=False, share_groups=False, blocked=blocked, reason=reason)

@@ -7,7 +7,7 @@ from mlx_lm.models.cache import (ArraysCache, CacheList, ChunkedKVCache, Concate
                                  KVCache, QuantizedKVCache)
 
 from models.builtin import ensure_builtin
-from actors.model_runner.layers import classify
+from actors.model_runner.layers import Layers, classify
 from actors.model_runner.loading import load_model
 from actors.model_runner.rows import StepError
 from actors.model_runner.runner import ModelRunner
@@ -51,7 +51,8 @@ def test_runner_lists_follow_the_kinds(models):
     layers = runner.layers
     assert layers.kinds == EXPECTED["gemma3-tiny"]
     assert layers.full == [1, 3] and layers.attention == [0, 1, 2, 3]
-    assert layers.linear == [] and layers.unpooled == [0, 2]
+    assert layers.linear == [] and layers.windows == [0, 2] and layers.unpooled == []
+    assert layers.stateful == [0, 2]  # their windows go to the state slots
     assert runner.pools.kv.layers == [1, 3]  # the pool holds only what it can give back
 
 
@@ -85,41 +86,46 @@ def test_caches_that_do_not_follow_the_layers_are_refused(models):
         type(model).make_cache = stock
 
 
-def test_kv_ops_on_a_sliding_window_model_are_refused(models):
+def test_kv_ops_on_a_sliding_window_model_without_state_slots_are_refused(models):
     runner = ModelRunner(models["gemma3-tiny"], 2, kv_slots=64)
     load = m.Op(kind=m.OpKind.KV_LOAD, dst=1, slots=pack_ids([0, 1, 2]))
     batch = m.ForwardBatch(step=1, rows=[], input_lens=[], start_pos=[], future=[], sample=[],
                            input_ids=b"", ops=[load])
-    with pytest.raises(StepError, match=r"layers \[0, 2\] \(sliding\) cannot be restored"):
+    with pytest.raises(StepError, match=r"layers \[0, 2\] resume from a state slot and this "
+                                        "runner has no state pool"):
         runner.step(batch)
+
+
+def test_kv_ops_on_a_layer_kind_no_pool_keeps_are_refused():
+    from actors.model_runner.rows import Rows
+    from actors.model_runner.storage import KvPool, Pools
+
+    pools = Pools(Layers.of(["full", "other:CacheList"]), KvPool([0], 64), None)
+    load = m.Op(kind=m.OpKind.KV_LOAD, dst=1, slots=pack_ids([0, 1, 2]))
+    with pytest.raises(StepError, match=r"layers \[1\] \(other:CacheList\) cannot be restored"):
+        pools.apply(load, Rows(2))
 
 
 # -- what the scheduler's tree may hold --------------------------------------------------------
 
 
-@pytest.mark.parametrize("kinds", [EXPECTED["qwen3-tiny"], EXPECTED["qwen3_5-tiny"]])
+@pytest.mark.parametrize("kinds", [EXPECTED["qwen3-tiny"], EXPECTED["qwen3_5-tiny"],
+                                   EXPECTED["gemma3-tiny"]])
 @pytest.mark.parametrize("wanted", [True, False])
-def test_full_and_recurrent_layers_keep_the_configured_prefix_cache(kinds, wanted):
+def test_full_recurrent_and_sliding_layers_keep_the_configured_prefix_cache(kinds, wanted):
     plan = plan_prefix(kinds, wanted)
     assert (plan.prefix, plan.share_groups, plan.blocked, plan.reason) == (wanted, True, {}, "")
 
 
-@pytest.mark.parametrize("wanted", [True, False])
-def test_sliding_window_layers_turn_the_tree_off(wanted):
-    plan = plan_prefix(EXPECTED["gemma3-tiny"], wanted)
-    assert not plan.prefix and not plan.share_groups
-    assert plan.blocked == {"sliding": [0, 2]}
-    assert "sliding-window layers keep only the last `window` positions" in plan.reason
-
-
 def test_other_kinds_turn_the_tree_off_and_are_named():
     plan = plan_prefix(["full", "other:CacheList", "sliding"], True)
-    assert plan.blocked == {"other:CacheList": [1], "sliding": [2]}
-    assert "other:CacheList layers" in plan.reason and "sliding-window" in plan.reason
+    assert not plan.prefix and not plan.share_groups
+    assert plan.blocked == {"other:CacheList": [1]}
+    assert "other:CacheList layers keep nothing a radix node can restore" in plan.reason
 
 
 def test_without_group_sharing_choices_prefill_on_their_own_with_no_kv_ops():
-    plan = plan_prefix(EXPECTED["gemma3-tiny"], True)
+    plan = plan_prefix(["full", "other:CacheList"], True)
     s = Scheduler(max_running=4, context_length=128, eos_ids=[99], chunked_prefill_size=64,
                   kv_slots=256, prefix_cache=plan.prefix, share_groups=plan.share_groups)
     assert s.memory.tree is None

@@ -15,6 +15,7 @@ from actors.model_runner.rows import StepError
 from actors.model_runner.runner import ModelRunner
 from actors.model_runner import storage
 from actors.model_runner.storage import HEAD_INPUT
+from actors.model_runner.windows import window_of
 from actors.scheduler.core import Scheduler
 from protocol import messages as m
 from protocol.codec import pack_ids
@@ -26,7 +27,7 @@ PROMPTS = ["Hello world", "中文的自然语言处理", "def f(x):\n    return"
            "The quick brown fox jumps over the lazy dog. " * 20]
 
 
-@pytest.fixture(scope="module", params=["qwen3-tiny", "qwen3_5-tiny"])
+@pytest.fixture(scope="module", params=["qwen3-tiny", "qwen3_5-tiny", "gemma3-tiny"])
 def setup(request, model_cache):
     path = str(ensure_builtin(request.param, cache_dir=model_cache, progress=False))
     oracle = Oracle(path)
@@ -144,7 +145,7 @@ def ops_batch(step: int, *ops: m.Op, admit: dict[int, int] | None = None) -> m.F
 
 
 def test_ops_the_runner_cannot_carry_out_are_refused(setup):
-    path, _, _ = setup
+    path, _, info = setup
     model = load_model(path)
     bare = ModelRunner(model, 2)  # no KV slots, no state slots: no pools
     with pytest.raises(StepError, match="a state op, but this runner has no state pool"):
@@ -153,7 +154,11 @@ def test_ops_the_runner_cannot_carry_out_are_refused(setup):
     with pytest.raises(StepError, match="a KV op, but this runner has no KV pool"):
         bare.step(ops_batch(1, save))
     with pytest.raises(StepError, match="KV save for row 1, which holds no KV"):
-        ModelRunner(model, 2, kv_slots=64).step(ops_batch(1, save))
+        ModelRunner(model, 2, kv_slots=64, state_slots=4).step(ops_batch(1, save))
+    if info.state_layers:  # a prefix of its recurrent or sliding layers needs a state slot
+        with pytest.raises(StepError, match=r"KV save, but layers \[[0-9, ]+\] resume from a "
+                           "state slot and this runner has no state pool"):
+            ModelRunner(model, 2, kv_slots=64).step(ops_batch(1, save))
 
 
 def test_a_row_donates_only_the_state_slot_it_owns(setup):
@@ -270,13 +275,13 @@ def _step(runner, step, rows=(), prompts=None, ops=(), admit=None, start=None):
 
 
 def test_state_slots_hold_what_ops_keep_and_nothing_else(setup, model_cache):
-    """No step writes a live state anywhere; a snapshot of a decoding row is its state after
-    the tokens it ran (mlx-lm's own cache, run over them sequentially, is the reference) and
+    """No step writes a live state anywhere; a snapshot of a decoding row is its state (a
+    sliding layer's: its window) after the tokens it ran (mlx-lm's own cache, run over them sequentially, is the reference) and
     the LM head's input at the last of them (where an exact repeat samples from); a row that
     parks keeps both while the forward runs its position for others."""
     path, oracle, info = setup
     if not info.state_layers:
-        pytest.skip("a dense model has no recurrent state")
+        pytest.skip("a dense model has no recurrent state or window")
 
     model = load_model(path)
     runner = ModelRunner(model, 2, state_slots=8)
@@ -295,6 +300,7 @@ def test_state_slots_hold_what_ops_keep_and_nothing_else(setup, model_cache):
         with greedy_head.capture(replace=False) as head_in:
             logits = model(mx.array(tokens)[None], cache=cache)
         return {**{i: cache[i].cache for i in runner.layers.linear},
+                **{i: window_of(cache[i]) for i in runner.layers.windows},
                 HEAD_INPUT: [head_in.hidden[0, -1], mx.argmax(logits[0, -1]).astype(mx.int32)]}
 
     def assert_close(got, want):

@@ -55,19 +55,27 @@ async def test_no_layers_within_the_ready_timeout_fails_loudly():
 
 
 @pytest.mark.parametrize("prefix", [True, False])
-def test_sliding_layers_build_the_core_without_the_tree(model_cache, prefix):
+def test_sliding_layers_build_the_core_with_window_snapshots(model_cache, prefix):
+    """A sliding-window model keeps the configured prefix cache: its state slots (sized from
+    config.json's sliding layers) hold the windows' snapshots."""
     info = read_model_info(str(ensure_builtin("gemma3-tiny", model_cache, progress=False)))
+    assert info.state_layers == 2
     actor = make_actor(model=info, cache={"prefix": prefix})
     with capture_logs() as logs:
         core = actor._build_core(m.ModelLayers(kinds=["sliding", "full", "sliding", "full"]))
+    assert core.memory.prefix == prefix and core.memory.tree is not None
+    assert core.memory.states is not None and core.memory.states.capacity > 0
+    assert [r for r in logs if r["event"] == "cache.prefix_off"] == []
+
+
+def test_a_layer_kind_no_slot_restores_builds_the_core_without_the_tree(model_cache):
+    info = read_model_info(str(ensure_builtin("qwen3-tiny", model_cache, progress=False)))
+    with capture_logs() as logs:
+        core = make_actor(model=info)._build_core(m.ModelLayers(kinds=["full", "other:X"]))
     assert core.memory.tree is None and not core.memory.prefix
-    warnings = [r for r in logs if r["event"] == "cache.prefix_off"]
-    if not prefix:
-        assert warnings == []  # nothing was turned off that was asked for
-        return
-    [warning] = warnings
-    assert warning["log_level"] == "warning" and warning["layers"] == {"sliding": [0, 2]}
-    assert "sliding-window layers keep only the last `window` positions" in warning["reason"]
+    [warning] = [r for r in logs if r["event"] == "cache.prefix_off"]
+    assert warning["log_level"] == "warning" and warning["layers"] == {"other:X": [1]}
+    assert "other:X layers keep nothing a radix node can restore" in warning["reason"]
 
 
 def test_full_layers_keep_the_configured_prefix_cache(model_cache):
