@@ -57,12 +57,14 @@ class Started:
 
 
 def start_graph(*overrides: str, on_log: Callable[[str], None] | None = None,
-                ready_timeout: float | None = None) -> Started:
+                ready_timeout: float | None = None,
+                env: dict[str, str] | None = None) -> Started:
     """Launch with the shipped config plus overrides (pick the model with model.builtin=... or
     model.path=...); returns once the graph printed its ready line. With on_log, every line the
     launcher writes to stderr (JSON log records) goes to it from a reader thread; without, the
     launcher logs nothing to stderr. A launcher that exits, or is not ready within
-    ready_timeout seconds (None: no limit), raises RuntimeError."""
+    ready_timeout seconds (None: no limit), raises RuntimeError. env: variables set for the
+    launcher (and so its actors) beside this process's."""
     logs = ("log.format=json",) if on_log else ("log.stderr=false",)
     if not any(o.startswith(("log.dir=", "log.file=")) for o in overrides):
         logs = (*logs, f"log.dir={_log_dir()}")
@@ -70,7 +72,8 @@ def start_graph(*overrides: str, on_log: Callable[[str], None] | None = None,
             "--set", "server.port=0", "--set", "server.http_port=0",
             *[a for o in (*logs, *overrides) for a in ("--set", o)]]
     proc = subprocess.Popen(args, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE if on_log else None, text=True, cwd=ROOT)
+                            stderr=subprocess.PIPE if on_log else None, text=True, cwd=ROOT,
+                            env=None if env is None else {**os.environ, **env})
     _LAUNCHED.append(proc)
     log_reader = None
     if on_log:
@@ -133,11 +136,12 @@ class Graph:
     """A started graph whose JSON log records are kept in memory as they arrive (the e2e tests
     look for events in them)."""
 
-    def __init__(self, *overrides: str, ready_timeout: float = 240.0):
+    def __init__(self, *overrides: str, ready_timeout: float = 240.0,
+                 env: dict[str, str] | None = None):
         self.records: list[dict] = []
         try:
             self.started = start_graph(*overrides, on_log=self._record,
-                                       ready_timeout=ready_timeout)
+                                       ready_timeout=ready_timeout, env=env)
         except RuntimeError as e:
             raise RuntimeError(f"{e}\nlast log records: {self.records[-20:]}") from None
         self.proc, self.address, self.http = (self.started.proc, self.started.client,

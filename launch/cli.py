@@ -1,5 +1,6 @@
-"""`launch --config FILE [--set section.key=value ...]`: resolve the model, start the graph,
-print one `ready` line with the client address and the log file, and supervise until stopped.
+"""`launch [--model NAME_OR_DIR] [--config FILE] [--set section.key=value ...]`: resolve the
+model, start the graph, print one `ready` line with the client address and the log file, and
+supervise until stopped.
 
 `launch logs [FILE] ...`: read a run's log file (launch/logs/)."""
 
@@ -22,36 +23,77 @@ from protocol.transport import derive_addresses, graph_actors, parse_name
 
 
 def resolve_model(cfg: Config, progress: bool = True) -> ModelInfo:
-    """The model directory every actor loads: `model.path`, or the built-in model, built and
-    cached on first use."""
+    """The model directory every actor loads: `model.path` (a directory, or a Hugging Face
+    repo id resolved through the cache or a download: models/hub.py), or the built-in model,
+    built and cached on first use."""
+    from models import hub
     from models.info import read_model_info
 
+    revision = ""
     if cfg.model.path:
         path = Path(cfg.model.path).expanduser()
-        if not path.is_dir():
-            raise ConfigError(f"model.path {str(path)!r} is not a directory")
-        name = path.name
+        if path.is_dir():
+            name = path.name
+        elif hub.is_repo_id(cfg.model.path):
+            got = hub.resolve(cfg.model.path, cfg.model.revision)
+            path, name, revision = got.folder, got.repo_id, got.revision
+        else:
+            raise ConfigError(f"model.path {cfg.model.path!r} is neither a directory nor a "
+                              "Hugging Face repo id (org/name or org/name@revision)")
     else:
         from models.builtin import ensure_builtin
 
         cache = Path(cfg.model.cache_dir).expanduser() if cfg.model.cache_dir else None
         path = ensure_builtin(cfg.model.builtin, cache_dir=cache, progress=progress)
         name = cfg.model.builtin
-    return read_model_info(str(path), name=name, context_length=cfg.model.context_length)
+    info = read_model_info(str(path), name=cfg.model.name or name,
+                           context_length=cfg.model.context_length)
+    return msgspec.structs.replace(info, revision=revision)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="launch", description="Start the mlx-actor-serve graph.",
-                                epilog="launch logs [FILE] --help: read a run's log file")
-    p.add_argument("--config", help="TOML config file (configs/qwen.toml)")
+    p = argparse.ArgumentParser(
+        prog="launch", description="Start the mlx-actor-serve graph. Without --config or "
+        "--model it serves the built-in model on the default ports.",
+        epilog="launch logs [FILE] --help: read a run's log file")
+    p.add_argument("--model", metavar="NAME_OR_DIR",
+                   help="a model directory, a Hugging Face repo id (org/name[@revision]: from "
+                        "the HF cache, else downloaded) or a built-in's name; = --set "
+                        "model.path=... (model.builtin=... for a built-in)")
+    p.add_argument("--host", help="= --set server.host=...")
+    p.add_argument("--port", type=int, help="ZMQ client port, 0 for a free one; = --set "
+                                            "server.port=...")
+    p.add_argument("--http-port", type=int, help="OpenAI HTTP port, 0 for a free one, -1 off; = "
+                                                 "--set server.http_port=...")
+    p.add_argument("--config", help="TOML config file (configs/qwen.toml); the flags above "
+                                    "and --set override it")
     p.add_argument("--set", dest="overrides", action="append", default=[],
-                   metavar="SECTION.KEY=VALUE", help="override one config key (repeatable)")
+                   metavar="SECTION.KEY=VALUE", help="override one config key (repeatable; "
+                                                     "wins over the flags above)")
     p.add_argument("--only", metavar="ACTORS", default="",
                    help="start only these actors of the graph (comma separated, e.g. runner-1 "
                         "on the host of tensor-parallel rank 1); the rest runs elsewhere")
     p.add_argument("--except", dest="skip", metavar="ACTORS", default="",
                    help="start every actor but these (they are started elsewhere with --only)")
     return p.parse_args(argv)
+
+
+def flag_overrides(args: argparse.Namespace) -> list[str]:
+    """The --model, --host, --port and --http-port flags as the --set overrides they equal."""
+    from models import builtin, formats
+
+    out = []
+    if args.model:
+        named = args.model in builtin.BUILTINS or formats.parse(args.model) is not None
+        if named and not Path(args.model).expanduser().is_dir():
+            out.append(f"model.builtin={args.model}")
+        else:
+            out.append(f"model.path={args.model}")
+    for flag, key in (("host", "server.host"), ("port", "server.port"),
+                      ("http_port", "server.http_port")):
+        if getattr(args, flag) is not None:
+            out.append(f"{key}={getattr(args, flag)}")
+    return out
 
 
 def chosen_actors(cfg: Config, only: str, skip: str) -> list[str]:
@@ -94,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
         return logs_main(argv[1:])
     args = parse_args(argv)
     try:
-        cfg = load_config(args.config, args.overrides)
+        cfg = load_config(args.config, flag_overrides(args) + args.overrides)
     except ConfigError as e:
         print(f"launch: {e}", file=sys.stderr)
         return 2
@@ -115,7 +157,8 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"launch: {e}", file=sys.stderr)
         return 2
-    log.info("launch.start", model=model.name, path=model.path, ipc_dir=addrs.ipc_dir,
+    log.info("launch.start", model=model.name, path=model.path,
+             revision=model.revision or None, ipc_dir=addrs.ipc_dir,
              log_file=cfg.log.file or None, actors=actors)
 
     def on_ready(info: dict[str, str]) -> None:
@@ -128,7 +171,9 @@ def main(argv: list[str] | None = None) -> int:
         logs = f" log {cfg.log.file}" if cfg.log.file else ""
         log.info("launch.ready", client=client, http=info.get("http"),
                  log_file=cfg.log.file or None)
-        print(f"mlx-actor-serve ready: model {model.name} client {client}{http}{logs}",
+        # Where the model came from, last: the client address stays where scripts read it.
+        source = f" from {model.path}" + (f" revision {model.revision}" if model.revision else "")
+        print(f"mlx-actor-serve ready: model {model.name} client {client}{http}{logs}{source}",
               flush=True)
 
     from launch.supervisor import Supervisor

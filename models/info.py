@@ -13,13 +13,14 @@ class ModelInfo(msgspec.Struct, frozen=True):
     """Facts about the served model that the launcher reads once and hands to every actor."""
 
     path: str
-    name: str
+    name: str  # what clients call it (model.name, the repo id, the folder's or built-in's name)
     context_length: int
     eos_ids: list[int]
     vocab_size: int
     model_type: str
     kv_bytes_per_token: int = 0  # KV memory one token takes across the attention layers
     kv_value_bytes: int = 2  # of one K or V value, in the checkpoint's dtype
+    revision: str = ""  # the commit of a model resolved from a Hugging Face repo id
     # layers whose memory per request is fixed (a recurrent state, a sliding window): what a
     # state slot holds for them
     state_layers: int = 0

@@ -35,8 +35,15 @@ class ModelConfig(Section):
     # qwen3-small-4bit, qwen3-tiny-3bit-g32, qwen3-tiny-mxfp4, qwen3_5-tiny-bf16, -fp16,
     # qwen3-small-4bit-bf16, ...
     builtin: Annotated[str, Meta(pattern=BUILTIN_NAME)] = "qwen3-small"
-    # Any local mlx-lm model directory (config.json, *.safetensors, tokenizer files).
+    # Any local mlx-lm model directory (config.json, *.safetensors, tokenizer files), or a
+    # Hugging Face repo id, `org/name` or `org/name@revision` (models/hub.py): taken from the
+    # Hugging Face cache, else downloaded before the actors start.
     path: str = ""
+    # The repo's revision (branch, tag or commit) where `path` is a repo id without `@rev`.
+    revision: str = ""
+    # The model name clients use (/v1/models, the "model" field of responses); empty: the
+    # repo id as given, the directory's name, or the built-in's name.
+    name: str = ""
     # Where built-in models are cached; empty: $MAS_CACHE_DIR or ~/.cache/mlx-actor-serve/models.
     cache_dir: str = ""
     # Longest prompt + output; 0 takes max_position_embeddings from the model's config.
@@ -50,6 +57,9 @@ class ServerConfig(Section):
     ipc_dir: str = ""
     # OpenAI-compatible HTTP API on the same host; 0 picks a free port, -1 turns it off.
     http_port: Annotated[int, Meta(ge=-1, le=65535)] = 8000
+    # A request naming a model other than model.name: false serves it anyway (clients set up
+    # for another provider keep working); true answers 404 model_not_found, as vLLM does.
+    strict_model_name: bool = False
     # When set, every HTTP route but /health needs "Authorization: Bearer KEY", and every ZMQ
     # request its api_key field (Client(api_key=...), mas-client --api-key).
     api_key: str = ""

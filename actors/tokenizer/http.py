@@ -29,6 +29,7 @@ class Bridge(Protocol):
     """What the HTTP app needs from the actor that hosts it."""
 
     model_name: str
+    strict_model_name: bool  # a request for another model is a 404 (else served)
     context_length: int
     api_key: str
     limits: LimitsConfig
@@ -64,13 +65,22 @@ def build_app(bridge: Bridge) -> Starlette:
                 return _error(500, f"internal error: {type(e).__name__}")
         return route
 
+    def check_model(opts: dict[str, Any]) -> None:
+        # vLLM's rule with strict names; else any name is served (clients set up for
+        # another provider send theirs).
+        if bridge.strict_model_name and opts["model"] != bridge.model_name:
+            raise RequestError(f"the model {opts['model'][:200]!r} does not exist; this server "
+                               f"serves {bridge.model_name!r}", 404, param="model")
+
     async def completions(request: Request) -> Response:
         reqs, opts = parse_completion(await _body(request, bridge.limits), bridge.limits)
+        check_model(opts)
         opts["token_text"] = bridge.token_text
         return await _serve(bridge, request, reqs, opts, chat=False)
 
     async def chat(request: Request) -> Response:
         reqs, opts = parse_chat(await _body(request, bridge.limits), bridge.limits)
+        check_model(opts)
         opts["token_text"] = bridge.token_text
         return await _serve(bridge, request, reqs, opts, chat=True)
 

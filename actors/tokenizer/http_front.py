@@ -47,6 +47,7 @@ class HttpFront:
         self.actor, self.front = actor, actor.front
         cfg = actor.shell.cfg.server
         self.model_name = actor.shell.model.name
+        self.strict_model_name = cfg.strict_model_name
         self.context_length = actor.shell.model.context_length
         self.api_key = cfg.api_key
         self.limits = actor.shell.cfg.limits

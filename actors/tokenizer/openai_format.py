@@ -188,7 +188,8 @@ def _requests(c: _Common, max_new: int | None, prompt: dict[str, Any], logprobs:
         group=base if c.n > 1 else "", **constraint), names)
         for k in range(c.n)]
     include_usage = bool((c.stream_options or {}).get("include_usage"))
-    return reqs, {"stream": c.stream, "include_usage": include_usage, "logprobs": logprobs}
+    return reqs, {"stream": c.stream, "include_usage": include_usage, "logprobs": logprobs,
+                  "model": c.model}
 
 
 def parse_completion(raw: bytes, limits: LimitsConfig) -> tuple[list[m.GenerateRequest], dict]:

@@ -14,6 +14,7 @@ OPTS = {"stream": True, "logprobs": None, "include_usage": True, "token_text": s
 
 class Bridge:
     model_name = "m"
+    strict_model_name = False
 
     def __init__(self):
         self.aborted: list[str] = []
