@@ -11,7 +11,8 @@ block write much more than the embedding into the residual stream, so the next t
 function of the context, and scales the final norm so the logits spread by several units (top-2 gaps far
 above float noise). tests/unit/test_builtin_model.py measures both properties. Gemma's norms scale
 by 1 + weight and also normalize what each block writes; the same scales, stored minus one, keep
-its continuations as varied.
+its continuations as varied. FAMILIES are tiny models of other architectures (Llama, Qwen 2,
+Qwen3-MoE, Phi-3, gpt-oss, Ministral 3, DeepSeek-V3) for tests, built the same way.
 """
 
 import copy
@@ -104,6 +105,98 @@ BUILTINS: dict[str, ModelSpec] = {
     ),
 }  # fmt: skip
 
+# The family test matrix (tests/unit/test_families.py): one tiny model per architecture family,
+# from mlx-lm's own classes, each through every runner-core oracle mode. Hidden 64, 2-4 layers,
+# the Qwen 3 tokenizer; tied or untied as the family usually is. Not in BUILTINS (the names a
+# config may serve: protocol/config.py BUILTIN_NAME, pinned in tests/unit/test_builtin_model.py);
+# ensure_builtin builds them all the same.
+_MINISTRAL3_ROPE = {"rope_type": "default", "rope_theta": 1_000_000.0,
+                    # Llama 4's query scaling: 1 + beta * log(1 + floor(pos / 32)), so prompts
+                    # of a few dozen tokens cross its steps (real models: 16384 positions).
+                    "llama_4_scaling_beta": 0.1, "original_max_position_embeddings": 32}
+
+FAMILIES: dict[str, ModelSpec] = {
+    "llama-tiny": ModelSpec(
+        vocab="qwen3",
+        config=dict(
+            model_type="llama", hidden_size=64, intermediate_size=192, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, vocab_size=151936,
+            max_position_embeddings=4096, rope_theta=500_000.0, tie_word_embeddings=True,
+        ),
+    ),
+    # Biased q/k/v projections, no q/k norms.
+    "qwen2-tiny": ModelSpec(
+        vocab="qwen3",
+        config=dict(
+            model_type="qwen2", hidden_size=64, intermediate_size=192, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, vocab_size=151936,
+            max_position_embeddings=4096, rope_theta=1_000_000.0, tie_word_embeddings=True,
+        ),
+    ),
+    # Every layer a sparse MoE: 4 experts, 2 per token (mlx-lm's SwitchGLU).
+    "qwen3_moe-tiny": ModelSpec(
+        vocab="qwen3",
+        config=dict(
+            model_type="qwen3_moe", hidden_size=64, intermediate_size=192, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_experts=4,
+            num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[],
+            moe_intermediate_size=64, norm_topk_prob=True, vocab_size=151936,
+            max_position_embeddings=4096, rope_theta=1_000_000.0, tie_word_embeddings=False,
+        ),
+    ),
+    # Fused qkv_proj and gate_up_proj, an untied head.
+    "phi3-tiny": ModelSpec(
+        vocab="qwen3",
+        config=dict(
+            model_type="phi3", hidden_size=64, intermediate_size=192, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, vocab_size=151936,
+            max_position_embeddings=4096, original_max_position_embeddings=4096,
+            rope_theta=10_000.0, tie_word_embeddings=False,
+        ),
+    ),
+    # Sliding-window (32) and full layers in turn, attention sinks, biased projections, a MoE
+    # of 4 experts (2 per token) with SwiGLU-OAI, an untied head.
+    "gpt_oss-tiny": ModelSpec(
+        vocab="qwen3",
+        config=dict(
+            model_type="gpt_oss", hidden_size=64, intermediate_size=64, num_hidden_layers=4,
+            layer_types=["sliding_attention", "full_attention"] * 2, sliding_window=32,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_local_experts=4,
+            num_experts_per_tok=2, vocab_size=151936, max_position_embeddings=4096,
+            rope_theta=150_000, tie_word_embeddings=False,
+        ),
+    ),
+    # Ministral 3 (Mistral's 2025 dense family): Llama-like, with Llama 4's position-dependent
+    # query scaling.
+    "ministral3-tiny": ModelSpec(
+        vocab="qwen3",
+        config=dict(
+            model_type="ministral3", hidden_size=64, intermediate_size=192, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=151936,
+            max_position_embeddings=4096, rope_parameters=_MINISTRAL3_ROPE,
+            tie_word_embeddings=True,
+        ),
+    ),
+    # Multi-head latent attention (the cache keeps the kv_a latent and the RoPE key), a dense
+    # first layer, then a MoE of 4 routed experts (2 per token, sigmoid scores) and a shared one.
+    "deepseek_v3-tiny": ModelSpec(
+        vocab="qwen3",
+        config=dict(
+            model_type="deepseek_v3", hidden_size=64, intermediate_size=192,
+            moe_intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=4, n_shared_experts=1, n_routed_experts=4,
+            num_experts_per_tok=2, first_k_dense_replace=1, moe_layer_freq=1, n_group=1,
+            topk_group=1, routed_scaling_factor=2.5, q_lora_rank=48, kv_lora_rank=32,
+            qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32, vocab_size=151936,
+            max_position_embeddings=4096, rope_theta=10_000.0, tie_word_embeddings=False,
+        ),
+    ),
+}  # fmt: skip
+
+
+def _spec(name: str) -> ModelSpec | None:
+    return BUILTINS.get(name) or FAMILIES.get(name)
+
 
 def default_cache_dir() -> Path:
     return Path(os.environ.get("MAS_CACHE_DIR") or Path.home() / ".cache" / "mlx-actor-serve" / "models")
@@ -118,14 +211,14 @@ def ensure_builtin(name: str, cache_dir: Path | None = None, progress: bool = Tr
     """The directory of built-in `name`, building it first if this spec was never built here.
     A format variant (`qwen3-tiny-4bit`, `qwen3_5-tiny-bf16`, ...: models/formats.py) is the
     built-in converted by mlx-lm, cached the same way."""
-    if name not in BUILTINS:
+    spec = _spec(name)
+    if spec is None:
         from models import formats
 
         if formats.parse(name) is not None:
             return formats.ensure_variant(name, cache_dir, progress)
         raise KeyError(f"unknown built-in model {name!r}; known: {sorted(BUILTINS)}, "
-                       f"and their variants {formats.GRAMMAR}")
-    spec = BUILTINS[name]
+                       f"and their variants {formats.GRAMMAR}; families: {sorted(FAMILIES)}")
     cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     final = cache_dir / f"{name}-{spec_hash(spec)}"
     return build_once(final, lambda scratch: build_model_dir(name, spec, scratch, progress))
@@ -155,6 +248,13 @@ _ARCHITECTURES = {
     "qwen3": "Qwen3ForCausalLM",
     "qwen3_5": "Qwen3_5ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "phi3": "Phi3ForCausalLM",
+    "gpt_oss": "GptOssForCausalLM",
+    "ministral3": "Ministral3ForCausalLM",
+    "deepseek_v3": "DeepseekV3ForCausalLM",
 }
 _ACTIVATIONS = {"gemma3_text": {"hidden_activation": "gelu_pytorch_tanh"}}  # as Gemma 3 configs say
 
@@ -209,7 +309,7 @@ def weight_shapes(config: dict) -> dict[str, tuple[int, ...]]:
 
 
 def count_params(name: str) -> int:
-    spec = BUILTINS[name]
+    spec = _spec(name)
     return sum(int(np.prod(s)) for s in weight_shapes(model_config(name, spec)).values())
 
 
@@ -240,6 +340,20 @@ def init_weight(path: str, shape: tuple[int, ...], spec: ModelSpec, seed: int) -
         return np.log(rng.uniform(1.0, 16.0, shape)).astype(np.float32)
     if path.endswith("dt_bias"):
         return np.ones(shape, np.float32)
+    # The rules below only match the families' parameters (FAMILIES); the built-ins have none.
+    if leaf == "lm_head":  # an untied head: logits spread as a tied one's (logit_std)
+        return spec.embed_std * rng.standard_normal(shape, np.float32)
+    if path.endswith("e_score_correction_bias"):  # DeepSeek's router balance: none yet
+        return np.zeros(shape, np.float32)
+    if path.endswith(".bias"):  # q/k/v (Qwen 2), every projection and expert (gpt-oss)
+        return 0.1 * rng.standard_normal(shape, np.float32)
+    if path.endswith(".sinks"):  # gpt-oss attention sinks: a logit per head, about the scores'
+        return rng.standard_normal(shape, np.float32)
+    if ".switch_mlp." in path or ".experts." in path or leaf in ("embed_q", "unembed_out"):
+        # Stacked experts [experts, out, in] and MLA's per-head products [heads, out, in]:
+        # each is a stack of matrices with the last axis their input.
+        gain = spec.residual_gain if leaf == "down_proj" else 1.0
+        return (gain / np.sqrt(shape[-1])) * rng.standard_normal(shape, np.float32)
     fan_in = shape[1] if len(shape) == 2 else int(np.prod(shape[1:]))
     gain = spec.residual_gain if leaf in ("o_proj", "down_proj", "out_proj") else 1.0
     return (gain / np.sqrt(fan_in)) * rng.standard_normal(shape, np.float32)

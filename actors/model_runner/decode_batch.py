@@ -139,6 +139,10 @@ class BatchedKV:
         # tokens than page-major).
         self.keys: mx.array | None = None
         self.values: mx.array | None = None
+        # What update_and_fetch last returned: the attention kernel stands in only for
+        # attention over exactly these (DeepSeek's latent attention stores other things as K
+        # and V and attends over them with a mask of its own).
+        self.fetched: tuple[mx.array, mx.array] | None = None
 
     @property
     def offset(self) -> mx.array:
@@ -168,7 +172,8 @@ class BatchedKV:
             flat[index] = new.reshape(-1, new.shape[-1])
             written.append(flat.reshape(pool.shape))
         self.keys, self.values = written
-        return self.gather(self.keys, p.table), self.gather(self.values, p.table)
+        self.fetched = self.gather(self.keys, p.table), self.gather(self.values, p.table)
+        return self.fetched
 
     @staticmethod
     def gather(pool: mx.array, table: mx.array) -> mx.array:

@@ -93,6 +93,21 @@ def test_plain_greedy_steps_take_the_greedy_head(setup, monkeypatch):
     assert any(shape[0] > 1 for shape in calls)  # batched decode rows
 
 
+def test_decode_steps_take_the_attention_kernel(setup, monkeypatch):
+    """With the compiled kernels, every full-attention layer of a decode step asks
+    mas_kernels.decode_attention (cpu/attention.py), and the tokens stay mlx-lm's."""
+    mk = pytest.importorskip("mas_kernels")
+    calls = []
+    real = mk.decode_attention
+    monkeypatch.setattr(mk, "decode_attention", lambda *a: calls.append(1) or real(*a))
+    path, oracle, info = setup
+    arrivals = _arrivals(oracle)
+    got, _ = run(path, info, arrivals)
+    _check_all(oracle, arrivals, got)
+    full = len(load_model(path).layers) - info.state_layers
+    assert len(calls) >= full * sum(n for reqs in arrivals.values() for _, _, n in reqs) // 3
+
+
 @pytest.mark.parametrize("depth", [1, 2], ids=["plain", "overlap"])
 def test_retraction_under_a_tiny_kv_budget_keeps_tokens_identical(setup, depth):
     path, oracle, info = setup

@@ -45,12 +45,18 @@ def active(kernels: Any) -> Iterator[None]:
         yield
 
 
-def _fits(queries: mx.array, cache: BatchedKV) -> bool:
+def _fits(queries: mx.array, keys: mx.array, values: mx.array, cache: BatchedKV,
+          mask: Any) -> bool:
+    """The kernel computes softmax(q K^T) V over the rows' pages under the rows' own lengths:
+    only for attention over the very K and V the cache handed out, with its mask."""
     b, heads, length, dim = queries.shape
-    keys = cache.keys
-    return (length == 1 and keys is not None and queries.dtype in KERNEL_DTYPES
-            and keys.dtype == queries.dtype and dim % 16 == 0 and keys.shape[-1] == dim
-            and heads % keys.shape[0] == 0 and heads // keys.shape[0] <= MAX_GROUP)
+    pool = cache.keys
+    return (length == 1 and pool is not None and cache.fetched is not None
+            and keys is cache.fetched[0] and values is cache.fetched[1]
+            and (mask is None or mask is cache.positions.mask)
+            and queries.dtype in KERNEL_DTYPES and pool.dtype == queries.dtype
+            and dim % 16 == 0 and pool.shape[-1] == dim and cache.values.shape == pool.shape
+            and heads % pool.shape[0] == 0 and heads // pool.shape[0] <= MAX_GROUP)
 
 
 def attention(queries: mx.array, keys: mx.array, values: mx.array, cache, scale: float,
@@ -58,7 +64,7 @@ def attention(queries: mx.array, keys: mx.array, values: mx.array, cache, scale:
     """mlx-lm's scaled_dot_product_attention; the kernel for the decode batch's layers."""
     kernels = _kernel.get()
     if (kernels is not None and sinks is None and isinstance(cache, BatchedKV)
-            and _fits(queries, cache)):
+            and _fits(queries, keys, values, cache, mask)):
         p = cache.positions
         return kernels.decode_attention(queries, cache.keys, cache.values, p.table,
                                         p.keys_per_row, scale)
