@@ -191,6 +191,22 @@ FAMILIES: dict[str, ModelSpec] = {
             max_position_embeddings=4096, rope_theta=10_000.0, tie_word_embeddings=False,
         ),
     ),
+    # DeepSeek-V3.2's sparse attention: V3's latent attention plus a lightning indexer that
+    # picks the top index_topk keys per query (16 here, so prompts past it are sparse); each
+    # layer's cache is a CacheList of two KV caches (the latent, the indexer's keys).
+    "deepseek_v32-tiny": ModelSpec(
+        vocab="qwen3",
+        config=dict(
+            model_type="deepseek_v32", hidden_size=64, intermediate_size=192,
+            moe_intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=4, n_shared_experts=1, n_routed_experts=4,
+            num_experts_per_tok=2, first_k_dense_replace=1, moe_layer_freq=1, n_group=1,
+            topk_group=1, routed_scaling_factor=2.5, q_lora_rank=48, kv_lora_rank=32,
+            qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32, index_n_heads=2,
+            index_head_dim=32, index_topk=16, vocab_size=151936,
+            max_position_embeddings=4096, rope_theta=10_000.0, tie_word_embeddings=False,
+        ),
+    ),
 }  # fmt: skip
 
 
@@ -255,6 +271,7 @@ _ARCHITECTURES = {
     "gpt_oss": "GptOssForCausalLM",
     "ministral3": "Ministral3ForCausalLM",
     "deepseek_v3": "DeepseekV3ForCausalLM",
+    "deepseek_v32": "DeepseekV32ForCausalLM",
 }
 _ACTIVATIONS = {"gemma3_text": {"hidden_activation": "gelu_pytorch_tanh"}}  # as Gemma 3 configs say
 

@@ -30,6 +30,7 @@ KINDS = {
     "gpt_oss-tiny": ["sliding", "full"] * 2,
     "ministral3-tiny": ["full"] * 2,
     "deepseek_v3-tiny": ["full"] * 2,
+    "deepseek_v32-tiny": ["other:CacheList"] * 2,
 }
 assert sorted(KINDS) == sorted(FAMILIES)
 
@@ -63,7 +64,10 @@ def test_layer_kinds_agree_with_the_config(family):
     assert info.model_type == FAMILIES[name].config["model_type"]
     assert info.state_layers == len(runner.layers.stateful)
     config = json.loads((Path(path) / "config.json").read_text())
-    assert layer_kinds(lambda key, default=None: config.get(key, default)) == KINDS[name]
+    # config.json tells windows and recurrent layers, not cache types: an "other" cache
+    # (a CacheList of KV caches) grows with the context as a full layer does.
+    told = ["full" if kind.startswith("other") else kind for kind in KINDS[name]]
+    assert layer_kinds(lambda key, default=None: config.get(key, default)) == told
 
 
 def _staggered(oracle):
@@ -86,7 +90,7 @@ def test_staggered_chunked_batch_matches_mlx_lm(family, depth):
 def test_repeated_prompts_match_mlx_lm(family, prefix):
     """The same prompt again, and a shared system prompt with different endings: with the
     prefix cache on, the repeats hit (the first of each misses); off, all run from scratch."""
-    _, path, oracle, info, runtime = family
+    name, path, oracle, info, runtime = family
     enc = oracle.tokenizer.encode
     same = enc("The quick brown fox " * 5)
     system = enc("You are a helpful assistant. " * 7)  # 42 tokens: past gpt-oss's window
@@ -95,7 +99,9 @@ def test_repeated_prompts_match_mlx_lm(family, prefix):
     got, sched = run(path, info, arrivals, depth=2, prefix=prefix, chunk=16, runtime=runtime)
     _check_all(oracle, arrivals, got)
     cached = {rid: f.cached_tokens for rid, f in sched.finished.items()}
-    if not prefix:
+    if not prefix or any(kind.startswith("other") for kind in KINDS[name]):
+        # Layers the pools cannot restore (DeepSeek-V3.2's CacheList): the scheduler turns
+        # the tree off (prefix_plan) and every request runs from scratch.
         assert set(cached.values()) == {0}
         return
     assert cached["same1"] == 0 and cached["sys-a"] == 0  # misses

@@ -41,3 +41,13 @@ def test_state_layers_and_kv_bytes_count_the_right_layers(tmp_path):
     assert gemma.kv_bytes_per_token == dense.kv_bytes_per_token // 2  # full layers only
     hybrid = info(tmp_path, full_attention_interval=4)
     assert (hybrid.state_layers, hybrid.kv_bytes_per_token) == (3, dense.kv_bytes_per_token // 4)
+
+
+def test_every_eos_id_the_model_files_name_is_kept(tmp_path):
+    """Llama 3 lists several EOS ids in config.json, generation_config.json adds more, and
+    tokenizer_config.json names its eos token by text: a request stops at any of them."""
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [7, 9]}))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|eot|>"}))
+    (tmp_path / "tokenizer.json").write_text(json.dumps(
+        {"added_tokens": [{"id": 11, "content": "<|eot|>"}, {"id": 12, "content": "<|x|>"}]}))
+    assert info(tmp_path, eos_token_id=[9, 3]).eos_ids == [3, 7, 9, 11]

@@ -17,6 +17,7 @@ from actors.model_runner import storage
 from actors.model_runner.storage import HEAD_INPUT
 from actors.model_runner.windows import window_of
 from actors.scheduler.core import Scheduler
+from actors.scheduler.prefix_plan import plan_prefix
 from protocol import messages as m
 from protocol.codec import pack_ids
 from protocol.config import RuntimeConfig
@@ -43,9 +44,11 @@ def run(path, info, arrivals, max_rows=3, depth=1, kv_slots=1 << 16, chunk=16, r
     states = 4 * max_rows if info.state_layers else 0
     runner = ModelRunner(load_model(path), max_rows, kv_slots=kv_slots, state_slots=states,
                          runtime=runtime)
+    plan = plan_prefix(runner.layers.kinds, prefix)  # as the scheduler actor builds its core
     sched = Scheduler(max_running=max_rows, chunked_prefill_size=chunk, kv_slots=kv_slots,
                       context_length=info.context_length, eos_ids=info.eos_ids,
-                      output_reserve=reserve, prefix_cache=prefix, state_slots=states,
+                      output_reserve=reserve, prefix_cache=plan.prefix,
+                      share_groups=plan.share_groups, state_slots=states,
                       head_input=head_input and runner.head_input)
     assert runner.head_input == bool(info.state_layers)  # qwen3_5's head: nothing after it
     tokens, sched.finished, sched.batches = drive(sched, runner, arrivals, depth, ticks=2000)

@@ -7,9 +7,10 @@ from actors.scheduler.core import Scheduler
 EOS = 99
 
 
-def make_scheduler(max_running=4, context_length=64, chunk=64, kv_slots=4096, **kw):
+def make_scheduler(max_running=4, context_length=64, chunk=64, kv_slots=4096, eos_ids=(EOS,),
+                   **kw):
     return Scheduler(max_running=max_running, chunked_prefill_size=chunk, kv_slots=kv_slots,
-                     context_length=context_length, eos_ids=[EOS], **kw)
+                     context_length=context_length, eos_ids=list(eos_ids), **kw)
 
 
 def params(n=5, **kw):
@@ -88,6 +89,17 @@ def test_eos_and_stop_token_ids_stop_with_reason_stop():
     assert d.tokens["a"] == [5, 6, EOS] and d.finished["a"].reason == "stop"
     assert d.tokens["b"] == [5, 42] and d.finished["b"].reason == "stop"
     assert d.finished["c"].reason == "length" and len(d.tokens["c"]) == 10
+
+
+def test_every_eos_id_of_the_model_stops():
+    """Models with several EOS ids (Llama 3's <|end_of_text|>, <|eom_id|>, <|eot_id|>)."""
+    s = make_scheduler(eos_ids=[EOS, 98])
+    d = Driver(s, {"a": [5, 98, 7], "b": [5, 6, EOS]})
+    d.collect(s.add("a", [1], params(10)))
+    d.collect(s.add("b", [1], params(10)))
+    d.run()
+    assert d.tokens == {"a": [5, 98], "b": [5, 6, EOS]}
+    assert {f.reason for f in d.finished.values()} == {"stop"}
 
 
 def test_first_step_prefills_then_decode_rows_are_futures():
