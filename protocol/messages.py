@@ -101,6 +101,11 @@ class GenerateRequest(ClientWire, tag=_tag("GenerateRequest")):
     min_new_tokens: Count = 0
     logprobs: bool = False  # the chosen tokens' logprobs
     top_logprobs: Annotated[int, Meta(ge=0, le=20)] = 0  # and this many alternatives each
+    # Prompt logprobs (sglang's logprob_start_len): every prompt position from this one on
+    # gets its token's logprob given the tokens before it, and top_logprobs alternatives
+    # (position 0 has none: nothing comes before it). -1: none.
+    logprob_start_len: Annotated[int, Meta(ge=-1, le=INT64_MAX)] = -1
+    echo: bool = False  # the first reply carries the prompt's token ids and text
     # Requests of one group share one prompt (n choices): its prefill runs once, the others
     # wait for it and reuse it through the prefix cache.
     group: str = ""
@@ -133,6 +138,14 @@ class Delta(ClientWire, tag=_tag("Delta")):
     logprobs: list[float] = []  # per token id, when asked
     top_ids: list[list[int]] = []  # per token id: the best alternatives, when asked
     top_logprobs: list[list[float]] = []
+    # The prompt, in the request's first Delta (streamed) or its Finished, when it asked for
+    # echo or prompt logprobs: its ids, its text (echo), and per position its token's logprob
+    # (None where not scored) and the top alternatives ([] where not scored).
+    prompt_ids: list[int] = []
+    prompt_text: str = ""
+    prompt_logprobs: list[float | None] = []
+    prompt_top_ids: list[list[int]] = []
+    prompt_top_logprobs: list[list[float]] = []
 
 
 class Finished(ClientWire, tag=_tag("Finished")):
@@ -151,6 +164,14 @@ class Finished(ClientWire, tag=_tag("Finished")):
     top_ids: list[list[int]] = []
     top_logprobs: list[list[float]] = []
     stop_str: str = ""  # the stop string that ended it, if one did
+    # The prompt, in the request's first Delta (streamed) or its Finished, when it asked for
+    # echo or prompt logprobs: its ids, its text (echo), and per position its token's logprob
+    # (None where not scored) and the top alternatives ([] where not scored).
+    prompt_ids: list[int] = []
+    prompt_text: str = ""
+    prompt_logprobs: list[float | None] = []
+    prompt_top_ids: list[list[int]] = []
+    prompt_top_logprobs: list[list[float]] = []
 
 
 class ErrorReply(ClientWire, tag=_tag("ErrorReply")):
@@ -187,10 +208,21 @@ class SamplingParams(Plain):
     stop: list[str] = []
     logprobs: bool = False
     top_logprobs: int = 0
+    prompt_logprobs_from: int = -1  # GenerateRequest.logprob_start_len
     # A constraint on the output: its kind ("" none; actors/constraints.py KINDS) and the
     # llguidance grammar the tokenizer compiled it to (the runner builds matchers from it).
     constraint_kind: str = ""
     constraint: str = ""
+
+
+class PromptScores(Plain):
+    """Logprobs of prompt tokens at consecutive positions from `start`: each the raw
+    log_softmax of the logits before it at that token, and the top alternatives."""
+
+    start: int
+    logprobs: list[float] = []
+    top_ids: list[list[int]] = []
+    top_logprobs: list[list[float]] = []
 
 
 class TokenizedRequest(Wire, tag=_tag("TokenizedRequest")):
@@ -261,6 +293,12 @@ class ForwardBatch(Wire, tag=_tag("ForwardBatch")):
     # resumes), and, when its penalties need them, every token so far (int32: prompt + output).
     admit_generated: list[int] = []
     admit_tokens: list[bytes] = []
+    # Prompt chunks whose positions are scored (prompt logprobs), one entry each: the row, the
+    # first position whose token is scored, and the prompt token after the chunk (-1: the
+    # chunk ends the prompt, its last logits are the sample's).
+    score_rows: list[int] = []
+    score_start: list[int] = []
+    score_next: list[int] = []
     # The scheduler built the next step already (overlap): the runner may wait a moment for
     # it before reading this one back. False: nothing follows until this step's result is in,
     # so the runner reads it back at once.
@@ -279,6 +317,7 @@ class StepResult(Wire, tag=_tag("StepResult")):
     logprobs: list[float] = []
     top_ids: list[list[int]] = []
     top_logprobs: list[list[float]] = []
+    scores: list[PromptScores] = []  # per ForwardBatch.score_rows entry
 
 
 class Finish(Plain):
@@ -308,6 +347,8 @@ class TokenBatch(Wire, tag=_tag("TokenBatch")):
     # A request's stop strings, in the first TokenBatch that mentions it: the detokenizer holds
     # back text that could be the start of one and cuts at Finish.stop_str when it ends.
     stops: dict[str, list[str]] = {}
+    # A request's prompt logprobs, whole, in the TokenBatch with its first token (or Finish).
+    prompt_scores: dict[str, PromptScores] = {}
     running: int = 0  # the scheduler's running and queued requests, for /metrics
     queued: int = 0
     replica: int = 0  # which scheduler (scheduler.dp) sent it
@@ -324,6 +365,7 @@ class TextBatch(Wire, tag=_tag("TextBatch")):
     logprobs: list[float] = []
     top_ids: list[list[int]] = []
     top_logprobs: list[list[float]] = []
+    prompt_scores: dict[str, PromptScores] = {}
     running: int = 0
     queued: int = 0
     replica: int = 0

@@ -28,6 +28,7 @@ from actors.model_runner.cpu import greedy_head, head
 from actors.model_runner.grammar import RowMatchers, grammars_for
 from actors.model_runner.layers import Layers, classify
 from actors.model_runner.pipeline import before_host_sync
+from actors.model_runner.prompt_scores import PendingScores, score_chunk
 from actors.model_runner.rows import Rows, StepError
 from actors.model_runner.sampling import Pending, RowParams, Sampled, Sampler
 from actors.model_runner.storage import KvPool, Pools, StatePool
@@ -47,6 +48,7 @@ class Launched:
     parts: list[Pending]  # the samples, in the order they were drawn
     pick: list[int] | None  # rows[i] is drawn sample pick[i]; None: the same order
     started: float
+    scores: list[PendingScores]  # per ForwardBatch.score_rows entry
 
 
 class ModelRunner:
@@ -102,8 +104,9 @@ class ModelRunner:
             decoding = [r for r, f in zip(batch.rows, batch.future) if f]
             self.pools.park(self.rows.parking(decoding), self.rows)
             self.rows.keep_decoding(decoding)
-            parts = self._forward(batch)
-            return self._queue(batch, parts, started)
+            scores: list[PendingScores] = []
+            parts = self._forward(batch, scores)
+            return self._queue(batch, parts, started, scores)
 
     def finish(self, launched: Launched) -> m.StepResult:
         """Wait for a launched step and read its tokens (and logprobs) back."""
@@ -114,6 +117,8 @@ class ModelRunner:
         if any(g.logprobs is not None for g in got):
             columns = _logprob_columns(got)
             extra = {name: [col[i] for i in order] for name, col in columns.items()}
+        if launched.scores:
+            extra["scores"] = [s.resolve() for s in launched.scores]
         return m.StepResult(step=launched.step, rows=launched.rows,
                             tokens=[tokens[i] for i in order],
                             forward_s=time.perf_counter() - launched.started, **extra)
@@ -152,9 +157,16 @@ class ModelRunner:
 
     # -- the forward ---------------------------------------------------------------------------
 
-    def _forward(self, batch: m.ForwardBatch) -> list[tuple[list[int], Pending]]:
+    def _forward(self, batch: m.ForwardBatch,
+                 scores: list[PendingScores]) -> list[tuple[list[int], Pending]]:
         """Every prompt chunk, then the decode forward: (the rows sampled, their lazy
-        samples), in the order drawn."""
+        samples), in the order drawn. The scored chunks' prompt scores go to `scores`, in
+        the batch's score_rows order."""
+        scored = {row: (first, next_id) for row, first, next_id in
+                  zip(batch.score_rows, batch.score_start, batch.score_next)}
+        if len(scored) != len(batch.score_rows):
+            raise StepError("a row is scored twice in one step")
+        by_row: dict[int, PendingScores] = {}
         parts: list[tuple[list[int], Pending]] = []
         joining: dict[int, int] = {}  # row -> its last prompt token, run in the decode forward
         done: list[tuple[int, list[Any]]] = []  # prompts sampled on their own
@@ -164,7 +176,11 @@ class ModelRunner:
                                                  batch.future, batch.sample):
             if future:
                 continue
-            got = self._prefill(row, ids[at:at + n], start, sample, joining, done)
+            if row in scored:
+                got = self._prefill_scored(row, ids[at:at + n], start, sample, *scored[row],
+                                           by_row, done)
+            else:
+                got = self._prefill(row, ids[at:at + n], start, sample, joining, done)
             at += n
             if got is not None:
                 parts.append(([row], got))
@@ -172,10 +188,14 @@ class ModelRunner:
             parts.append((list(self.rows.decode_rows), self._decode(joining)))
         for row, cache in done:  # they decode from the next step on
             self.rows.wait_to_decode(row, cache)
+        if set(by_row) != set(scored):
+            raise StepError(f"rows {sorted(set(scored) - set(by_row))} are to be scored but "
+                            "run no prompt chunk in this step")
+        scores += [by_row[row] for row in batch.score_rows]
         return parts
 
     def _queue(self, batch: m.ForwardBatch, parts: list[tuple[list[int], Pending]],
-               started: float) -> Launched:
+               started: float, scores: list[PendingScores]) -> Launched:
         """Put the sampled tokens into token_buf in the batch's row order and queue the step
         on the MLX stream. Pool writes are lazy scatters: evaluated with each step, or every
         step would chain onto the last and keep its arrays alive until a later read."""
@@ -193,10 +213,11 @@ class ModelRunner:
             self.rows.record(out_rows, tokens)
             pending.append(self.rows.token_buf)
             pending += [got.arrays() for _, got in parts]
+        pending += [s.arrays() for s in scores]
         if self.queue_blocks:
             before_host_sync()
         mx.async_eval(pending)
-        return Launched(batch.step, out_rows, [got for _, got in parts], pick, started)
+        return Launched(batch.step, out_rows, [got for _, got in parts], pick, started, scores)
 
     def _decode(self, joining: dict[int, int]) -> Pending:
         rows, batch = self.rows.decode_rows, self.rows.decode
@@ -274,6 +295,33 @@ class ModelRunner:
         self.rows.join_decode(row, cache)
         joining[row] = ids[-1]
         return None
+
+    def _prefill_scored(self, row: int, ids: list[int], start: int, sample: bool, first: int,
+                        next_id: int, scores: dict[int, PendingScores],
+                        done: list[tuple[int, list[Any]]]) -> Pending | None:
+        """A prompt chunk whose tokens are scored (prompt_scores.py): the LM head over every
+        position, and the chunk runs on its own even where rows decode (its last position's
+        logits are at hand, so the sample needs no decode row)."""
+        cache = self.rows.prompt_cache(row)
+        if cache is None or start == 0:
+            cache, _ = self._new_prompt_cache(row, start)
+        self._check_chunk_start(row, cache, start)
+        if not ids:
+            raise StepError(f"row {row}: a scored chunk has no prompt tokens")
+        if sample:
+            self.rows.end_prompt(row)
+        # The head's input is recorded where snapshots keep it; the LM head itself always runs.
+        context = greedy_head.capture(replace=False) if self.head is not None else nullcontext()
+        with context as head_out:
+            out = self.model(mx.array(ids)[None], cache=cache)
+        k = self.sampler.params[row].top_logprobs
+        scores[row] = score_chunk(out[0], ids, start, first, next_id, k)
+        if not sample:
+            before_host_sync()
+            mx.eval([c.state for c in cache])
+            return None
+        done.append((row, cache))  # joins the batch after this step's decode forward
+        return self._sample([row], out, head_out)
 
     def _sample_kept(self, row: int, cache: list[Any], kept: list[mx.array] | None,
                      done: list[tuple[int, list[Any]]]) -> Pending:

@@ -313,16 +313,8 @@ class Sampler:
         out = Pending(tokens)
         kmax = min(max(p.top_logprobs for p in ps), self.vocab)
         if any(p.logprobs or p.top_logprobs for p in ps):
-            raw = logits.astype(mx.float32)
-            lp = raw - mx.logsumexp(raw, axis=-1, keepdims=True)
-            out.logprobs = mx.take_along_axis(lp, tokens[:, None], axis=-1)[:, 0]
-        if kmax:
-            top = mx.argpartition(-lp, kth=kmax - 1, axis=-1)[:, :kmax]
-            vals = mx.take_along_axis(lp, top, axis=-1)
-            order = mx.argsort(-vals, axis=-1)
-            out.top_ids = mx.take_along_axis(top, order, axis=-1)
-            out.top_logprobs = mx.take_along_axis(vals, order, axis=-1)
-            out.keep = [p.top_logprobs for p in ps]
+            out.logprobs, out.top_ids, out.top_logprobs = score(logits, tokens, kmax)
+            out.keep = [p.top_logprobs for p in ps] if kmax else None
         self._record(rows, idx, tokens)
         return out
 
@@ -351,6 +343,23 @@ class Sampler:
         for i, row in enumerate(rows):
             if row in self.counts:  # lazily: the token is not read back here
                 self.counts[row] = self.counts[row].at[tokens[i]].add(1.0)
+
+
+def score(logits: mx.array, chosen: mx.array,
+          k: int) -> tuple[mx.array, mx.array | None, mx.array | None]:
+    """The raw log_softmax of logits [n, V] at each row's chosen id, and its k best ids and
+    logprobs, best first (None, None when k is 0). Generated tokens and prompt tokens are
+    scored by this same code."""
+    raw = logits.astype(mx.float32)
+    lp = raw - mx.logsumexp(raw, axis=-1, keepdims=True)
+    chosen_lp = mx.take_along_axis(lp, chosen.astype(mx.int32)[:, None], axis=-1)[:, 0]
+    if not k:
+        return chosen_lp, None, None
+    top = mx.argpartition(-lp, kth=k - 1, axis=-1)[:, :k]
+    vals = mx.take_along_axis(lp, top, axis=-1)
+    order = mx.argsort(-vals, axis=-1)
+    return (chosen_lp, mx.take_along_axis(top, order, axis=-1),
+            mx.take_along_axis(vals, order, axis=-1))
 
 
 def _col(values: list[float]) -> mx.array:

@@ -23,6 +23,10 @@ class BatchBuilder:
         # One entry per request admitted in this step.
         self.admitted: list[Request] = []
         self.admit_tokens: list[bytes] = []
+        # One entry per scored prompt chunk (ForwardBatch.score_rows).
+        self.score_rows: list[int] = []
+        self.score_start: list[int] = []
+        self.score_next: list[int] = []
 
     def __bool__(self) -> bool:
         return bool(self.rows)
@@ -43,6 +47,15 @@ class BatchBuilder:
         """A prompt chunk at `start`; samples after it when it is the prompt's last."""
         self._row(req, len(tokens), start, False, sample)
         self.ids.extend(tokens)
+        if req.scoring:
+            # Its logits score the tokens at start + 1 .. the chunk's end, and the next
+            # chunk's first token unless this one samples.
+            first = max(req.params.prompt_logprobs_from, 1, start + 1)
+            end = start + len(tokens) + (0 if sample else 1)
+            if first < end:
+                self.score_rows.append(req.row)
+                self.score_start.append(first)
+                self.score_next.append(-1 if sample else req.fill[start + len(tokens)])
 
     def admit(self, req: Request) -> None:
         """The row's sampling parameters (and, when its penalties need them, the tokens so far)
@@ -61,4 +74,5 @@ class BatchBuilder:
             release_rows=released, ops=ops,
             admit_states=[r.state for r in self.admitted] if states else [],
             admit_generated=[len(r.output) for r in self.admitted],
-            admit_tokens=self.admit_tokens)
+            admit_tokens=self.admit_tokens, score_rows=self.score_rows,
+            score_start=self.score_start, score_next=self.score_next)

@@ -128,7 +128,15 @@ class Scheduler:
         return batch
 
     def on_result(self, result: m.StepResult) -> Outputs:
-        for req, k in self.futures.land(result):
+        batch = self.futures.oldest()
+        landed = self.futures.land(result)
+        if result.scores and not result.error:
+            by_row = {req.row: req for req, _ in landed}
+            for row, scores in zip(batch.score_rows, result.scores):
+                req = by_row.get(row)
+                if req is not None and req.scoring:
+                    req.scores.append(scores)
+        for req, k in landed:
             if req.phase is Phase.DONE:
                 pass  # finished at an earlier step while already in this one: drop its token
             elif result.error:
@@ -152,6 +160,10 @@ class Scheduler:
             req.announced = True
             if req.params.stop:
                 self._out.stops[req.rid] = req.params.stop
+        if req.scoring:
+            self._out.prompt_scores[req.rid] = joined(req.params.prompt_logprobs_from,
+                                                     req.scores)
+            req.scored = True
         reason = self._stop_reason(req, token)
         if reason:
             self._finish(req, reason)
@@ -303,3 +315,16 @@ class Scheduler:
         cache, no lock is held and no request remains: anything else leaked."""
         return {"rows": self.rows.leaked(), **self.memory.leaks(),
                 "requests": sorted(self.requests)}
+
+
+def joined(req_from: int, scores: list[m.PromptScores]) -> m.PromptScores:
+    """A prompt's scored chunks as one run of positions (chunks land in order)."""
+    start = scores[0].start if scores else max(req_from, 1)
+    lps, top_ids, top_lps = [], [], []
+    for s in scores:
+        if s.start != start + len(lps):
+            raise AssertionError(f"prompt scores at {s.start} after {start + len(lps)}")
+        lps += s.logprobs
+        top_ids += s.top_ids
+        top_lps += s.top_logprobs
+    return m.PromptScores(start=start, logprobs=lps, top_ids=top_ids, top_logprobs=top_lps)

@@ -40,6 +40,10 @@ class FutureMap:
             req.inflight += 1
         self.in_flight.append((batch, carried))
 
+    def oldest(self) -> m.ForwardBatch:
+        """The step the next result answers."""
+        return self.in_flight[0][0]
+
     def land(self, result: m.StepResult) -> list[tuple[Request, int | None]]:
         """The oldest step returned: unpin what it carried. Per carried request, in row order,
         the index of its token in `result.tokens` (None: the row did not sample, or the step

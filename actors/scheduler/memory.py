@@ -105,7 +105,13 @@ class Memory:
         if not self._uses_tree(req):
             return None
         match = None
-        if self.head_input:
+        if req.scoring:
+            # The positions to score are computed: their logits are not in the tree. A hit
+            # may cover what comes before the first of them.
+            cut = max(req.params.prompt_logprobs_from - 1, 0)
+            match = self.tree.match(req.fill[:min(cut, len(req.fill) - 1)],
+                                    need_state=self.states is not None)
+        elif self.head_input:
             # Short of the whole fill it is the deepest snapshot before the last token anyway;
             # only a whole-fill node that cannot sample needs a second walk, to back off.
             match = self.tree.match(req.fill, need_state=True)

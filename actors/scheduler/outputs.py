@@ -20,6 +20,7 @@ class Outputs:
     # Per token in `tokens` when asked: (logprob, top ids, top logprobs).
     logprobs: dict[str, list[tuple[float, list[int], list[float]]]] = field(default_factory=dict)
     stops: dict[str, list[str]] = field(default_factory=dict)
+    prompt_scores: dict[str, m.PromptScores] = field(default_factory=dict)
 
     def __bool__(self) -> bool:
         return bool(self.tokens or self.finished)
@@ -40,6 +41,7 @@ class Outputs:
         return m.TokenBatch(rids=rids, counts=[len(self.tokens[r]) for r in rids],
                             token_ids=pack_ids(flat), finished=self.finished, logprobs=lps,
                             top_ids=top_ids, top_logprobs=top_lps, stops=self.stops,
+                            prompt_scores=self.prompt_scores,
                             running=running, queued=queued, replica=replica)
 
     def merge(self, other: "Outputs") -> None:
@@ -50,3 +52,4 @@ class Outputs:
         self.finished.extend(other.finished)
         self.retracted.extend(other.retracted)
         self.stops.update(other.stops)
+        self.prompt_scores.update(other.prompt_scores)

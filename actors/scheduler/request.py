@@ -66,6 +66,10 @@ class Request:
     retracting: bool = False
     retractions: int = 0
     finish_reason: str = ""
+    # Prompt logprobs (params.prompt_logprobs_from >= 0): the scored chunks' results as they
+    # land, sent whole with the first token (`scored` then).
+    scores: list[m.PromptScores] = field(default_factory=list)
+    scored: bool = False
 
     @property
     def prefilling(self) -> bool:
@@ -75,6 +79,12 @@ class Request:
     def active(self) -> bool:
         """Running and not on its way out: gets rows in the next step."""
         return self.phase is Phase.RUNNING and not self.aborted and not self.retracting
+
+    @property
+    def scoring(self) -> bool:
+        """Its prompt's positions are to be scored: prefix hits stop short of them, and its
+        prompt chunks carry the positions to score (batch.py)."""
+        return self.params.prompt_logprobs_from >= 0 and not self.scored
 
     @property
     def left(self) -> int:

@@ -33,3 +33,5 @@ def recompute_later(req: Request) -> None:
     req.filled = req.kv_len = 0
     req.sampled = len(req.output)
     req.retractions += 1
+    if not req.output:
+        req.scores = []  # retracted before its first token: the prompt is scored again

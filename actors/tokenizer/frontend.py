@@ -49,6 +49,10 @@ class Open:
     logprobs: list[float] = field(default_factory=list)
     top_ids: list[list[int]] = field(default_factory=list)
     top_logprobs: list[list[float]] = field(default_factory=list)
+    # echo / prompt logprobs: the Delta or Finished fields that give the prompt back, once
+    # (Delta.prompt_ids ...); `scoring` until the prompt's scores are in.
+    prompt: dict[str, Any] | None = None
+    scoring: bool = False
 
 
 class Frontend:
@@ -173,13 +177,24 @@ class Frontend:
                                          group=group))
         route = self.router.route(ids, group)
         self.open[rid] = Open(rid, identity, req.req_id, req.stream, len(ids), now,
-                              replica=route.replica, group=group)
+                              replica=route.replica, group=group,
+                              prompt=self._prompt(req, ids),
+                              scoring=req.logprob_start_len >= 0)
         self.by_client[(identity, req.req_id)] = rid
         where = {"replica": route.replica, "routed_by": route.reason,
                  "routed_prefix_tokens": route.matched} if self.router.replicas > 1 else {}
         self.log.info("request.received", rid=rid, req_id=req.req_id, prompt_tokens=len(ids),
                       max_new_tokens=req.max_new_tokens, stream=req.stream, **where)
         return [], [(route.replica, data)]
+
+    def _prompt(self, req: m.GenerateRequest, ids: list[int]) -> dict[str, Any] | None:
+        """What the first reply gives back of the prompt, for echo and prompt logprobs."""
+        if not req.echo and req.logprob_start_len < 0:
+            return None
+        text = ""
+        if req.echo:
+            text = req.prompt or self.tokenizer.decode(ids)
+        return {"prompt_ids": ids, "prompt_text": text}
 
     def _check_params(self, req: m.GenerateRequest) -> None:
         """What the schema cannot say: ids against this model's vocabulary, and relations
@@ -261,6 +276,11 @@ class Frontend:
         pieces = split_counts(unpack_ids(batch.token_ids), batch.counts)
         lps = (split_counts(batch.logprobs, batch.counts), split_counts(batch.top_ids, batch.counts),
                split_counts(batch.top_logprobs, batch.counts)) if batch.logprobs else None
+        for rid, scores in batch.prompt_scores.items():
+            req = self.open.get(rid)
+            if req is not None and req.scoring and req.prompt is not None:
+                req.prompt.update(prompt_columns(len(req.prompt["prompt_ids"]), scores))
+                req.scoring = False
         for k, (rid, text, ids) in enumerate(zip(batch.rids, batch.texts, pieces)):
             req = self.open.get(rid)
             if req is None:
@@ -278,7 +298,8 @@ class Frontend:
                 if text or ids:
                     replies.append((req.identity, m.Delta(req_id=req.req_id, text=text,
                                                           token_ids=ids, logprobs=lp,
-                                                          top_ids=tids, top_logprobs=tlps)))
+                                                          top_ids=tids, top_logprobs=tlps,
+                                                          **self._prompt_once(req))))
             else:
                 req.texts.append(text)
         for fin in batch.finished:
@@ -306,7 +327,17 @@ class Frontend:
             completion_tokens=len(req.token_ids), cached_tokens=fin.cached_tokens,
             ttft_s=(req.first_token - req.received) if req.first_token else 0.0,
             total_s=now - req.received, logprobs=req.logprobs, top_ids=req.top_ids,
-            top_logprobs=req.top_logprobs, stop_str=fin.stop_str)
+            top_logprobs=req.top_logprobs, stop_str=fin.stop_str,
+            **self._prompt_once(req, last=True))
+
+    @staticmethod
+    def _prompt_once(req: Open, last: bool = False) -> dict[str, Any]:
+        """The prompt's fields for the first reply that can carry them: once its scores are
+        in (or none were asked), or the last reply."""
+        if req.prompt is None or (req.scoring and not last):
+            return {}
+        fields, req.prompt = req.prompt, None
+        return fields
 
     def fail_all(self, message: str, code: int = 503) -> list[Reply]:
         """End every open request with an error (shutdown, a dead actor)."""
@@ -315,6 +346,15 @@ class Frontend:
         self.open.clear()
         self.by_client.clear()
         return replies
+
+
+def prompt_columns(length: int, scores: m.PromptScores) -> dict[str, list]:
+    """A prompt's scores as per-position columns: None / [] where not scored (position 0,
+    those before logprob_start_len)."""
+    pad = min(scores.start, length)
+    return {"prompt_logprobs": [None] * pad + list(scores.logprobs),
+            "prompt_top_ids": [[]] * pad + list(scores.top_ids),
+            "prompt_top_logprobs": [[]] * pad + list(scores.top_logprobs)}
 
 
 def sampling_params(req: m.GenerateRequest, constraint_kind: str = "",
@@ -328,7 +368,8 @@ def sampling_params(req: m.GenerateRequest, constraint_kind: str = "",
         bias_ids=list(req.logit_bias), bias_values=list(req.logit_bias.values()),
         seed=-1 if req.seed is None else req.seed, min_new_tokens=req.min_new_tokens,
         stop=list(req.stop), logprobs=req.logprobs or req.top_logprobs > 0,
-        top_logprobs=req.top_logprobs, constraint_kind=constraint_kind, constraint=constraint)
+        top_logprobs=req.top_logprobs, prompt_logprobs_from=req.logprob_start_len,
+        constraint_kind=constraint_kind, constraint=constraint)
 
 
 def _guess_req_id(payload: bytes) -> str:

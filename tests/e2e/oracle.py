@@ -27,6 +27,14 @@ class Oracle:
         order = mx.argsort(-logits)[:2].tolist()
         return order, float(logits[order[0]] - logits[order[1]])
 
+    def prompt_logprobs(self, ids: list[int]) -> tuple[list[float], list[int]]:
+        """mlx-lm's own log_softmax over the prompt in one forward: each position's token's
+        logprob given the tokens before it (from position 1), and the argmax before each."""
+        logits = self.model(mx.array(ids)[None])[0].astype(mx.float32)
+        lp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        chosen = mx.take_along_axis(lp[:-1], mx.array(ids[1:])[:, None], axis=-1)[:, 0]
+        return chosen.tolist(), mx.argmax(lp[:-1], axis=-1).tolist()
+
     def check(self, prompt_ids: list[int], got: list[int], ref: list[int]) -> None:
         """got must equal ref; where they first differ, the reference must be at a near-tie
         (top-2 gap below 1e-4) and `got` must have taken the other of the two."""

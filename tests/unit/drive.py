@@ -8,10 +8,11 @@ from collections import deque
 from protocol import messages as m
 
 
-def drive(sched, runner, arrivals, depth=1, ticks=3000):
+def drive(sched, runner, arrivals, depth=1, ticks=3000, scores=None):
     """arrivals: step -> [(rid, ids, max_new or SamplingParams[, group])]. depth 2 plays the overlap loop: step
     N+1 is built before step N's result is processed. Returns (rid -> tokens, rid -> Finish,
-    the ForwardBatches sent); every request finished once, nothing leaked."""
+    the ForwardBatches sent); every request finished once, nothing leaked. `scores`: a dict
+    that gets each request's prompt scores (m.PromptScores), where asked."""
     tokens, finished, results, batches = {}, {}, deque(), []
     for tick in range(ticks):
         for rid, ids, n, *group in arrivals.get(tick, []):
@@ -27,6 +28,9 @@ def drive(sched, runner, arrivals, depth=1, ticks=3000):
         out = sched.on_result(results.popleft())
         for rid, toks in out.tokens.items():
             tokens.setdefault(rid, []).extend(toks)
+        for rid, got in out.prompt_scores.items():
+            assert scores is not None and rid not in scores
+            scores[rid] = got
         for fin in out.finished:
             assert fin.rid not in finished
             finished[fin.rid] = fin
