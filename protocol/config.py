@@ -264,6 +264,9 @@ class LimitsConfig(Section):
     max_string_chars: Positive = 4 << 20  # any one string (a prompt, a message, a stop string)
     max_list_items: Positive = 1 << 20  # any one list or map (input_ids, messages, logit_bias)
     max_stop_strings: Positive = 16
+    # /v1/completions with a list of prompts: how many prompts, and choices (prompts x n).
+    max_prompts: Positive = 64
+    max_choices: Positive = 256
     # A constraint (json_schema, regex, ebnf, structural_tag) must compile within this long,
     # or the request is refused naming it.
     grammar_timeout_s: Seconds = 10.0

@@ -18,9 +18,10 @@ from starlette.routing import Route
 
 from actors.tokenizer.chat_output import ChatOutput, finish_reason
 from actors.tokenizer.intake import RequestError
-from actors.tokenizer.openai_format import (Choice, chat_chunk, chat_response, completion_chunk,
-                                            completion_response, error_body, parse_chat,
-                                            parse_completion, parse_tokenize, usage)
+from actors.tokenizer.openai_format import (chat_chunk, chat_response, choice_of,
+                                            completion_chunk, completion_response, error_body,
+                                            parse_chat, parse_completion, parse_tokenize,
+                                            prompt_of, usage)
 from protocol import messages as m
 from protocol.config import LimitsConfig
 
@@ -162,7 +163,7 @@ async def _serve(bridge: Bridge, request: Request, reqs: list[m.GenerateRequest]
         if isinstance(first, m.ErrorReply):
             for r in reqs:
                 bridge.abort(r.req_id)
-            raise RequestError(first.message, first.code, logged=True)
+            raise RequestError(_which(first, index, opts), first.code, logged=True)
         body = _stream(bridge, reqs, index, queue, first, opts, chat, rid, created)
         return StreamingResponse(body, media_type="text/event-stream")
     results: dict[int, m.Finished] = {}
@@ -172,16 +173,27 @@ async def _serve(bridge: Bridge, request: Request, reqs: list[m.GenerateRequest]
             if isinstance(reply, m.ErrorReply):
                 for r in reqs:
                     bridge.abort(r.req_id)
-                raise RequestError(reply.message, reply.code, logged=True)
+                raise RequestError(_which(reply, index, opts), reply.code, logged=True)
             if isinstance(reply, m.Finished):
                 results[index[reply.req_id]] = reply
     finally:
         watch.cancel()
     ordered = [results[k] for k in range(len(reqs))]
-    choices = [Choice(k, r.text, r.finish_reason, r.token_ids, r.logprobs, r.top_ids,
-                      r.top_logprobs) for k, r in enumerate(ordered)]
+    choices = [choice_of(k, r, opts) for k, r in enumerate(ordered)]
     build = chat_response if chat else completion_response
-    return JSONResponse(build(rid, created, bridge.model_name, choices, usage(ordered), opts))
+    return JSONResponse(build(rid, created, bridge.model_name, choices, _usage(ordered, opts),
+                              opts))
+
+
+def _usage(results: list[m.Finished], opts: dict[str, Any]) -> dict[str, Any]:
+    return usage(results, opts.get("n", 1), opts.get("score_only", False))
+
+
+def _which(reply: m.ErrorReply, index: dict[str, int], opts: dict[str, Any]) -> str:
+    """An error of one of several prompts fails the request, naming the prompt."""
+    if opts.get("prompts", 1) < 2 or reply.req_id not in index:
+        return reply.message
+    return f"prompt[{index[reply.req_id] // opts['n']}]: {reply.message}"
 
 
 async def _watch_disconnect(request: Request, bridge: Bridge,
@@ -197,15 +209,18 @@ async def _stream(bridge: Bridge, reqs: list[m.GenerateRequest], index: dict[str
                   queue: asyncio.Queue, first: Any, opts: dict[str, Any], chat: bool, rid: str,
                   created: int) -> AsyncIterator[str]:
     model = bridge.model_name
+    score_only = opts.get("score_only", False)
     finals: dict[int, m.Finished] = {}
     reply = first
     # A chat choice's text is split into reasoning, content and tool calls as it comes.
     parsers = {k: ChatOutput(reasoning=True, tools=opts.get("tools", False))
                for k in range(len(reqs))} if chat else {}
 
-    def chunks(k: int, text: str, reason: str | None, lp: Any) -> list[str]:
+    def chunks(k: int, text: str, reason: str | None, lp: Any,
+               prompt: dict[str, Any] | None = None) -> list[str]:
         if not chat:
-            return [_sse(completion_chunk(rid, created, model, k, text, reason, lp, opts))]
+            return [_sse(completion_chunk(rid, created, model, k, text, reason, lp, opts,
+                                          prompt))]
         parser = parsers[k]
         deltas = parser.feed(text) if reason is None else parser.finish()
         if reason is not None:
@@ -230,12 +245,18 @@ async def _stream(bridge: Bridge, reqs: list[m.GenerateRequest], index: dict[str
                 parts.append(_sse(error_body(reply.code, reply.message, None)))
                 break
             k = index[reply.req_id]
-            if isinstance(reply, m.Delta) and (reply.token_ids or reply.text):
+            prompt = None if chat else prompt_of(reply)
+            if prompt is not None:  # echo / prompt logprobs: the prompt goes first
+                parts += chunks(k, "", None, None, prompt)
+            if isinstance(reply, m.Delta) and (reply.token_ids or reply.text) and not score_only:
                 lp = (reply.token_ids, reply.logprobs, reply.top_ids, reply.top_logprobs)
                 parts += chunks(k, reply.text, None, lp if opts["logprobs"] else None)
             if isinstance(reply, m.Finished):
                 finals[k] = reply
-                parts += chunks(k, reply.text, reply.finish_reason, None)
+                if score_only:
+                    parts += chunks(k, "", "length", None)
+                else:
+                    parts += chunks(k, reply.text, reply.finish_reason, None)
                 if len(finals) == len(reqs):
                     break
             if parts and queue.empty():
@@ -245,7 +266,8 @@ async def _stream(bridge: Bridge, reqs: list[m.GenerateRequest], index: dict[str
         if opts.get("include_usage") and len(finals) == len(reqs):
             parts.append(_sse({"id": rid, "object": "chat.completion.chunk" if chat
                                else "text_completion", "created": created, "model": model,
-                               "choices": [], "usage": usage(list(finals.values()))}))
+                               "choices": [],
+                               "usage": _usage([finals[k] for k in sorted(finals)], opts)}))
         parts.append("data: [DONE]\n\n")
         yield "".join(parts)
     finally:

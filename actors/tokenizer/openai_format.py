@@ -101,10 +101,13 @@ def _constraint(c: _Common) -> dict[str, str]:
 
 
 class CompletionBody(_Common, kw_only=True):
-    prompt: str | list[Any]  # text, [text], or token ids (msgspec takes one list type)
+    # text, token ids, or a list of prompts: [text, ...] or [[ids], ...] (msgspec takes one
+    # list type: the items are checked in _prompts)
+    prompt: str | list[Any]
     max_tokens: int | None = 16
-    logprobs: int | None = None
-    echo: bool = False
+    logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
+    echo: bool = False  # the prompt before the completion, in the text and the logprobs
+    prompt_logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None  # vLLM's extra
 
 
 class ContentPart(msgspec.Struct):
@@ -167,8 +170,10 @@ def _build(fields: dict[str, Any], names: dict[str, str]) -> m.GenerateRequest:
         raise RequestError(f"invalid request: {message}", param=param) from None
 
 
-def _requests(c: _Common, max_new: int | None, prompt: dict[str, Any], logprobs: bool,
+def _requests(c: _Common, max_new: int | None, prompts: list[dict[str, Any]], logprobs: bool,
               top: int, names: dict[str, str]) -> tuple[list[m.GenerateRequest], dict[str, Any]]:
+    """n requests per prompt, prompt after prompt: request k is prompt k // n's choice
+    k % n (OpenAI's and vLLM's choice index)."""
     stops = [c.stop] if isinstance(c.stop, str) else list(c.stop or [])
     try:
         bias = {int(k): v for k, v in (c.logit_bias or {}).items()}
@@ -177,7 +182,8 @@ def _requests(c: _Common, max_new: int | None, prompt: dict[str, Any], logprobs:
     base = "http-" + uuid.uuid4().hex[:16]
     constraint = _constraint(c)
     reqs = [_build(dict(
-        req_id=f"{base}-{k}", **prompt, max_new_tokens=max_new, temperature=c.temperature,
+        req_id=f"{base}-{p * c.n + k}", **prompt, max_new_tokens=max_new,
+        temperature=c.temperature,
         top_p=c.top_p, top_k=max(c.top_k, 0), min_p=c.min_p,
         repetition_penalty=c.repetition_penalty, frequency_penalty=c.frequency_penalty,
         presence_penalty=c.presence_penalty, logit_bias=bias,
@@ -185,33 +191,63 @@ def _requests(c: _Common, max_new: int | None, prompt: dict[str, Any], logprobs:
         seed=None if c.seed is None else c.seed + k, stop=stops,
         stop_token_ids=list(c.stop_token_ids or []), ignore_eos=c.ignore_eos,
         min_new_tokens=c.min_tokens, logprobs=logprobs, top_logprobs=top, stream=c.stream,
-        group=base if c.n > 1 else "", **constraint), names)
-        for k in range(c.n)]
+        group=f"{base}-{p}" if c.n > 1 else "", **constraint), names)
+        for p, prompt in enumerate(prompts) for k in range(c.n)]
     include_usage = bool((c.stream_options or {}).get("include_usage"))
     return reqs, {"stream": c.stream, "include_usage": include_usage, "logprobs": logprobs,
-                  "model": c.model}
+                  "model": c.model, "n": c.n}
 
 
 def parse_completion(raw: bytes, limits: LimitsConfig) -> tuple[list[m.GenerateRequest], dict]:
     c = decode_body(raw, CompletionBody, limits)
-    if c.echo:
-        raise RequestError("echo is not supported", param="echo")
-    prompt_value = c.prompt
-    if isinstance(prompt_value, list) and all(isinstance(p, str) for p in prompt_value) \
-            and prompt_value:
-        if len(prompt_value) != 1:
-            raise RequestError("a list of several prompts is not supported; send one",
-                               param="prompt")
-        prompt_value = prompt_value[0]
-    if isinstance(prompt_value, list) and not all(
-            isinstance(t, int) and not isinstance(t, bool) for t in prompt_value):
-        raise RequestError("prompt must be a string, a list of one string, or token ids",
-                           param="prompt")
-    prompt = ({"prompt": prompt_value} if isinstance(prompt_value, str)
-              else {"input_ids": prompt_value})
-    top = c.logprobs or 0
-    return _requests(c, 16 if c.max_tokens is None else c.max_tokens, prompt,
-                     c.logprobs is not None, top, _COMPLETION_NAMES)
+    prompts = _prompts(c.prompt, limits)
+    if len(prompts) * c.n > limits.max_choices:
+        raise RequestError(f"{len(prompts)} prompts x n={c.n} is {len(prompts) * c.n} choices; "
+                           f"the server takes {limits.max_choices} (limits.max_choices)",
+                           param="n")
+    scored = c.echo and c.logprobs is not None or c.prompt_logprobs is not None
+    # max_tokens 0 scores the prompt alone (with echo, as vLLM): one token is computed, as
+    # the prompt's last logits are, and left out of the reply.
+    score_only = c.max_tokens == 0
+    if score_only and not c.echo:
+        raise RequestError("max_tokens must be at least 1 (0 only with echo: the prompt "
+                           "scored alone)", param="max_tokens")
+    extra = {"echo": c.echo, "logprob_start_len": 0 if scored else -1}
+    top = max(c.logprobs or 0, c.prompt_logprobs or 0)
+    max_new = 1 if score_only else (16 if c.max_tokens is None else c.max_tokens)
+    reqs, opts = _requests(c, max_new, [{**p, **extra} for p in prompts],
+                           c.logprobs is not None or scored, top, _COMPLETION_NAMES)
+    opts.update(echo=c.echo, score_only=score_only, top=c.logprobs or 0,
+                prompt_logprobs=c.prompt_logprobs, prompts=len(prompts),
+                logprobs=c.logprobs is not None)
+    return reqs, opts
+
+
+def _prompts(value: str | list[Any], limits: LimitsConfig) -> list[dict[str, Any]]:
+    """A completion's prompts: a string, token ids, or a list of strings or of token-id
+    lists; each as GenerateRequest's prompt or input_ids."""
+    def ids(x: Any) -> bool:
+        return isinstance(x, list) and all(isinstance(t, int) and not isinstance(t, bool)
+                                           for t in x)
+    if isinstance(value, str):
+        return [{"prompt": value}]
+    if value and ids(value):
+        return [{"input_ids": value}]
+    if not value:
+        raise RequestError("prompt must not be empty", param="prompt")
+    if len(value) > limits.max_prompts:
+        raise RequestError(f"{len(value)} prompts in one request; the server takes "
+                           f"{limits.max_prompts} (limits.max_prompts)", param="prompt")
+    out = []
+    for i, p in enumerate(value):
+        if isinstance(p, str):
+            out.append({"prompt": p})
+        elif ids(p) and p:
+            out.append({"input_ids": p})
+        else:
+            raise RequestError(f"prompt[{i}] must be a string or a non-empty list of token "
+                               "ids", param="prompt")
+    return out
 
 
 def _content(msg: ChatMessageBody) -> str:
@@ -249,7 +285,7 @@ def parse_chat(raw: bytes, limits: LimitsConfig) -> tuple[list[m.GenerateRequest
                                param="tool_choice")
         prompt["ebnf"] = tool_grammar(c.tools, None if choice == "required" else choice,
                                       c.parallel_tool_calls)
-    reqs, opts = _requests(c, max_new, prompt, c.logprobs, c.top_logprobs or 0, names)
+    reqs, opts = _requests(c, max_new, [prompt], c.logprobs, c.top_logprobs or 0, names)
     opts["tools"] = bool(c.tools) and choice != "none"
     return reqs, opts
 
@@ -331,15 +367,34 @@ class Choice:
     logprobs: list[float]
     top_ids: list[list[int]]
     top_logprobs: list[list[float]]
+    prompt: dict[str, Any] | None = None  # Finished's prompt_* fields (echo, prompt logprobs)
+
+
+PROMPT_FIELDS = ("prompt_ids", "prompt_text", "prompt_logprobs", "prompt_top_ids",
+                 "prompt_top_logprobs")
+
+
+def prompt_of(reply: m.Delta | m.Finished) -> dict[str, Any] | None:
+    return {name: getattr(reply, name) for name in PROMPT_FIELDS} if reply.prompt_ids else None
+
+
+def choice_of(k: int, r: m.Finished, opts: dict[str, Any]) -> Choice:
+    """A finished request as choice k; with max_tokens 0 (score_only) its one computed token
+    is left out."""
+    if opts.get("score_only"):
+        return Choice(k, "", "length", [], [], [], [], prompt_of(r))
+    return Choice(k, r.text, r.finish_reason, r.token_ids, r.logprobs, r.top_ids,
+                  r.top_logprobs, prompt_of(r))
 
 
 def _reason(reason: str | None) -> str | None:
     return {"abort": "stop", "error": "stop"}.get(reason, reason) if reason else None
 
 
-def usage(results: list[m.Finished]) -> dict[str, Any]:
-    prompt = results[0].prompt_tokens if results else 0
-    completion = sum(r.completion_tokens for r in results)
+def usage(results: list[m.Finished], n: int = 1, score_only: bool = False) -> dict[str, Any]:
+    """Summed over the request's prompts (each counted once, not once per choice)."""
+    prompt = sum(r.prompt_tokens for r in results[::n])
+    completion = 0 if score_only else sum(r.completion_tokens for r in results)
     return {"prompt_tokens": prompt, "completion_tokens": completion,
             "total_tokens": prompt + completion,
             "prompt_tokens_details": {"cached_tokens": max((r.cached_tokens for r in results),
@@ -355,22 +410,88 @@ def _chat_logprobs(ids, lps, top_ids, top_lps, text: Callable[[int], str]) -> di
                                                  top_lps or [[]] * len(ids))]}
 
 
-def _completion_logprobs(ids, lps, top_ids, top_lps, text: Callable[[int], str]) -> dict:
+def _completion_logprobs(ids, lps, top_ids, top_lps, text: Callable[[int], str],
+                         k: int | None = None) -> dict:
+    """OpenAI's legacy logprobs: per token its text, logprob (None: not scored, the prompt's
+    first) and a map of the k best alternatives (None where not scored)."""
+    n = len(ids)
+    tops = [None if lp is None else {text(a): b for a, b in zip(ti[:k], tl[:k])}
+            for lp, ti, tl in zip(lps, top_ids or [[]] * n, top_lps or [[]] * n)]
     return {"tokens": [text(i) for i in ids], "token_logprobs": list(lps),
-            "top_logprobs": [{text(a): b for a, b in zip(ti, tl)}
-                             for ti, tl in zip(top_ids or [[]] * len(ids),
-                                               top_lps or [[]] * len(ids))],
-            "text_offset": []}
+            "top_logprobs": tops, "text_offset": _offsets(ids, text)}
+
+
+def _offsets(ids: list[int], text: Callable[[int], str]) -> list[int]:
+    at, out = 0, []
+    for i in ids:
+        out.append(at)
+        at += len(text(i))
+    return out
+
+
+def _prompt_logprobs(prompt: dict[str, Any], k: int, text: Callable[[int], str]) -> list:
+    """vLLM's prompt_logprobs: per prompt position None (the first) or {token id: {logprob,
+    rank, decoded_token}} for the prompt's token and its k best alternatives."""
+    out: list[Any] = []
+    for tid, lp, ti, tl in zip(prompt["prompt_ids"], prompt["prompt_logprobs"],
+                               prompt["prompt_top_ids"], prompt["prompt_top_logprobs"]):
+        if lp is None:
+            out.append(None)
+            continue
+        entry = {str(a): {"logprob": b, "rank": r + 1, "decoded_token": text(a)}
+                 for r, (a, b) in enumerate(zip(ti[:k], tl[:k]))}
+        if str(tid) not in entry:
+            entry[str(tid)] = {"logprob": lp, "rank": 1 + sum(1 for b in tl if b > lp),
+                               "decoded_token": text(tid)}
+        out.append(entry)
+    return out
+
+
+def _echoed(c: Choice, opts: dict[str, Any]) -> tuple[str, list, list, list, list]:
+    """The choice's text and logprob columns, the prompt's first where echo is asked."""
+    p = c.prompt if opts.get("echo") else None
+    n = len(c.token_ids)
+    ids, lps = list(c.token_ids), list(c.logprobs)
+    tids, tlps = list(c.top_ids or [[]] * n), list(c.top_logprobs or [[]] * n)
+    if p is None:
+        return c.text, ids, lps, tids, tlps
+    m_ = len(p["prompt_ids"])
+    scored = bool(p["prompt_logprobs"])
+    return (p["prompt_text"] + c.text, p["prompt_ids"] + ids,
+            (p["prompt_logprobs"] if scored else [None] * m_) + lps,
+            (p["prompt_top_ids"] if scored else [[]] * m_) + tids,
+            (p["prompt_top_logprobs"] if scored else [[]] * m_) + tlps)
+
+
+def _completion_choice(c: Choice, opts: dict[str, Any], logprobs: bool) -> dict[str, Any]:
+    text = opts["token_text"]
+    body, ids, lps, tids, tlps = _echoed(c, opts)
+    out = {"index": c.index, "text": body, "finish_reason": _reason(c.finish_reason),
+           "logprobs": _completion_logprobs(ids, lps, tids, tlps, text, opts.get("top"))
+           if logprobs else None}
+    if opts.get("prompt_logprobs") is not None and c.prompt is not None:
+        out["prompt_logprobs"] = _prompt_logprobs(c.prompt, opts["prompt_logprobs"], text)
+    return out
 
 
 def completion_response(rid, created, model, choices: list[Choice], use, opts) -> dict:
-    text = opts["token_text"]
     return {"id": rid, "object": "text_completion", "created": created, "model": model,
-            "choices": [{"index": c.index, "text": c.text, "finish_reason": _reason(c.finish_reason),
-                         "logprobs": _completion_logprobs(c.token_ids, c.logprobs, c.top_ids,
-                                                          c.top_logprobs, text)
-                         if opts["logprobs"] else None} for c in choices],
+            "choices": [_completion_choice(c, opts, opts["logprobs"]) for c in choices],
             "usage": use}
+
+
+def completion_chunk(rid, created, model, k, text, reason, lp, opts,
+                     prompt: dict[str, Any] | None = None) -> dict:
+    """One streamed piece of choice k; `prompt` (on the choice's first piece, with echo or
+    prompt logprobs) goes before the piece."""
+    ids, lps, tids, tlps = lp if lp is not None else ([], [], [], [])
+    c = Choice(k, text, reason or "", list(ids), list(lps), list(tids or []),
+               list(tlps or []), prompt)
+    logprobs = opts["logprobs"] and (lp is not None or (prompt is not None and opts.get("echo")))
+    choice = _completion_choice(c, opts, logprobs)
+    choice["finish_reason"] = _reason(reason)
+    return {"id": rid, "object": "text_completion", "created": created, "model": model,
+            "choices": [choice]}
 
 
 def chat_response(rid, created, model, choices: list[Choice], use, opts) -> dict:
@@ -385,14 +506,6 @@ def chat_response(rid, created, model, choices: list[Choice], use, opts) -> dict
                     if opts["logprobs"] else None})
     return {"id": rid, "object": "chat.completion", "created": created, "model": model,
             "choices": out, "usage": use}
-
-
-def completion_chunk(rid, created, model, k, text, reason, lp, opts, role=False) -> dict:
-    logprobs = (_completion_logprobs(*lp, opts["token_text"])
-                if lp is not None and opts["logprobs"] else None)
-    return {"id": rid, "object": "text_completion", "created": created, "model": model,
-            "choices": [{"index": k, "text": text, "finish_reason": _reason(reason),
-                         "logprobs": logprobs}]}
 
 
 def chat_chunk(rid, created, model, k, delta: dict[str, Any], reason, lp, opts) -> dict:

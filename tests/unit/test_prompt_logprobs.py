@@ -48,7 +48,7 @@ def check(oracle, ids, got: m.PromptScores, start=0, top=0):
     first = max(start, 1)
     assert got.start == first
     assert len(got.logprobs) == len(ids) - first
-    np.testing.assert_allclose(got.logprobs, want[first - 1:], atol=1e-4)
+    np.testing.assert_allclose(got.logprobs, want[first - 1:], atol=1e-4, rtol=1e-5)
     if top:
         assert all(len(t) == top for t in got.top_ids)
         for k, (tids, tlps) in enumerate(zip(got.top_ids, got.top_logprobs)):
