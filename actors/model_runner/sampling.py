@@ -355,6 +355,9 @@ def score(logits: mx.array, chosen: mx.array,
     chosen_lp = mx.take_along_axis(lp, chosen.astype(mx.int32)[:, None], axis=-1)[:, 0]
     if not k:
         return chosen_lp, None, None
+    if k == 1:  # lm-eval's logprobs=1: an argmax, not a partition of the vocabulary
+        top = mx.argmax(lp, axis=-1, keepdims=True)
+        return chosen_lp, top, mx.take_along_axis(lp, top, axis=-1)
     top = mx.argpartition(-lp, kth=k - 1, axis=-1)[:, :k]
     vals = mx.take_along_axis(lp, top, axis=-1)
     order = mx.argsort(-vals, axis=-1)

@@ -198,3 +198,18 @@ def test_vllms_prompt_logprobs_extra(served):
     for i, entry in enumerate(got[1:], start=1):
         assert entry[str(ids[i])]["logprob"] == pytest.approx(want[i - 1], abs=1e-4, rel=1e-5)
         assert 2 <= len(entry) <= 3
+
+
+def test_prompt_logprobs_on_the_zmq_api_from_a_position(served):
+    from protocol.client import Client
+
+    g, _, oracle, _ = served
+    ids = ids_of(oracle, TEXTS[0])
+    with Client(g.address, timeout=60) as c:
+        r = c.generate(ids, max_new_tokens=2, logprob_start_len=5, top_logprobs=2, echo=True)
+    want, _ = oracle.prompt_logprobs(ids)
+    assert r.prompt_ids == ids and r.prompt_text == TEXTS[0]
+    assert r.prompt_logprobs[:5] == [None] * 5 and r.prompt_top_ids[:5] == [[]] * 5
+    np.testing.assert_allclose(r.prompt_logprobs[5:], want[4:], **TOL)
+    assert all(len(t) == 2 for t in r.prompt_top_ids[5:])
+    assert r.token_ids == oracle.greedy(ids, 2)
