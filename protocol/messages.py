@@ -208,11 +208,11 @@ class SamplingParams(Plain):
     stop: list[str] = []
     logprobs: bool = False
     top_logprobs: int = 0
-    prompt_logprobs_from: int = -1  # GenerateRequest.logprob_start_len
     # A constraint on the output: its kind ("" none; actors/constraints.py KINDS) and the
     # llguidance grammar the tokenizer compiled it to (the runner builds matchers from it).
     constraint_kind: str = ""
     constraint: str = ""
+    prompt_logprobs_from: int = -1  # GenerateRequest.logprob_start_len
 
 
 class PromptScores(Plain):
@@ -293,16 +293,16 @@ class ForwardBatch(Wire, tag=_tag("ForwardBatch")):
     # resumes), and, when its penalties need them, every token so far (int32: prompt + output).
     admit_generated: list[int] = []
     admit_tokens: list[bytes] = []
+    # The scheduler built the next step already (overlap): the runner may wait a moment for
+    # it before reading this one back. False: nothing follows until this step's result is in,
+    # so the runner reads it back at once.
+    follows: bool = True
     # Prompt chunks whose positions are scored (prompt logprobs), one entry each: the row, the
     # first position whose token is scored, and the prompt token after the chunk (-1: the
     # chunk ends the prompt, its last logits are the sample's).
     score_rows: list[int] = []
     score_start: list[int] = []
     score_next: list[int] = []
-    # The scheduler built the next step already (overlap): the runner may wait a moment for
-    # it before reading this one back. False: nothing follows until this step's result is in,
-    # so the runner reads it back at once.
-    follows: bool = True
 
 
 class StepResult(Wire, tag=_tag("StepResult")):
@@ -347,11 +347,11 @@ class TokenBatch(Wire, tag=_tag("TokenBatch")):
     # A request's stop strings, in the first TokenBatch that mentions it: the detokenizer holds
     # back text that could be the start of one and cuts at Finish.stop_str when it ends.
     stops: dict[str, list[str]] = {}
-    # A request's prompt logprobs, whole, in the TokenBatch with its first token (or Finish).
-    prompt_scores: dict[str, PromptScores] = {}
     running: int = 0  # the scheduler's running and queued requests, for /metrics
     queued: int = 0
     replica: int = 0  # which scheduler (scheduler.dp) sent it
+    # A request's prompt logprobs, whole, in the TokenBatch with its first token (or Finish).
+    prompt_scores: dict[str, PromptScores] = {}
 
 
 class TextBatch(Wire, tag=_tag("TextBatch")):
@@ -365,10 +365,10 @@ class TextBatch(Wire, tag=_tag("TextBatch")):
     logprobs: list[float] = []
     top_ids: list[list[int]] = []
     top_logprobs: list[list[float]] = []
-    prompt_scores: dict[str, PromptScores] = {}
     running: int = 0
     queued: int = 0
     replica: int = 0
+    prompt_scores: dict[str, PromptScores] = {}
 
 
 class Ready(Wire, tag=_tag("Ready")):

@@ -86,7 +86,7 @@ def test_golden_bytes_pin_the_wire_format():
     assert decoder(m.SchedulerInbox).decode(before_head_input) == m.ModelLayers(kinds=["full"])
     before_logprobs = b"\x96\x0d\x01\x91\x02\x91\x03\xcb" + bytes(8) + b"\xa0"
     assert encode(m.StepResult(step=1, rows=[2], tokens=[3])) == \
-        b"\x99" + before_logprobs[1:] + b"\x90\x90\x90"
+        b"\x9a" + before_logprobs[1:] + b"\x90\x90\x90\x90"
     # A message from a sender that predates the appended fields still decodes.
     old = decoder(m.SchedulerInbox).decode(before_logprobs)
     assert old == m.StepResult(step=1, rows=[2], tokens=[3]) and old.logprobs == []

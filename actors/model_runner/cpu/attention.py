@@ -80,7 +80,7 @@ def install(model: nn.Module) -> int:
     changed = 0
     names = {type(layer).__module__ for _, layer in model.named_modules()}
     for module in filter(None, (sys.modules.get(name) for name in names)):
-        if getattr(module, "scaled_dot_product_attention", None) in (
+        if module is not base and getattr(module, "scaled_dot_product_attention", None) in (
                 base.scaled_dot_product_attention, fastmath.attention):
             module.scaled_dot_product_attention = attention
             changed += 1

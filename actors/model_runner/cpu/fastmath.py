@@ -230,7 +230,9 @@ def install(model: nn.Module, kernels=None) -> int:
         for name, stock, ours in (("scaled_dot_product_attention", _stock_attention, attention),
                                   ("swiglu", _stock_swiglu, swiglu),
                                   ("precise_swiglu", _stock_precise_swiglu, precise_swiglu)):
-            if getattr(module, name, None) is stock:
+            # Not in the module that defines the function (gpt-oss's SwigluOAI layer lives in
+            # mlx_lm's activations): that would change it for every later importer.
+            if getattr(module, name, None) is stock and module.__name__ != stock.__module__:
                 setattr(module, name, ours)
                 changed += 1
         if getattr(module, "nn", None) is nn and "nn.silu(" in _source(module):
