@@ -267,6 +267,7 @@ class LimitsConfig(Section):
     # /v1/completions with a list of prompts: how many prompts, and choices (prompts x n).
     max_prompts: Positive = 64
     max_choices: Positive = 256
+    max_request_tokens: Positive = 1 << 20  # the prompts of one such request together
     # A constraint (json_schema, regex, ebnf, structural_tag) must compile within this long,
     # or the request is refused naming it.
     grammar_timeout_s: Seconds = 10.0

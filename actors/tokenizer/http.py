@@ -76,6 +76,8 @@ def build_app(bridge: Bridge) -> Starlette:
     async def completions(request: Request) -> Response:
         reqs, opts = parse_completion(await _body(request, bridge.limits), bridge.limits)
         check_model(opts)
+        if opts["prompts"] > 1:
+            _check_total(bridge, reqs[::opts["n"]])
         opts["token_text"] = bridge.token_text
         return await _serve(bridge, request, reqs, opts, chat=False)
 
@@ -183,6 +185,21 @@ async def _serve(bridge: Bridge, request: Request, reqs: list[m.GenerateRequest]
     build = chat_response if chat else completion_response
     return JSONResponse(build(rid, created, bridge.model_name, choices, _usage(ordered, opts),
                               opts))
+
+
+def _check_total(bridge: Bridge, prompts: list[m.GenerateRequest]) -> None:
+    """Several prompts in one request: their tokens together within limits.max_request_tokens
+    (each prompt's own errors are named when it is tokenized for the graph)."""
+    limit = bridge.limits.max_request_tokens
+    total = 0
+    for r in prompts:
+        try:
+            total += len(r.input_ids) if r.input_ids else len(bridge.tokenize(r))
+        except RequestError:
+            return  # that prompt fails the request with its own message
+    if total > limit:
+        raise RequestError(f"the prompts hold {total} tokens together; the server takes "
+                           f"{limit} per request (limits.max_request_tokens)", param="prompt")
 
 
 def _usage(results: list[m.Finished], opts: dict[str, Any]) -> dict[str, Any]:

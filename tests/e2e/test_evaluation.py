@@ -30,9 +30,11 @@ TEXTS = ["The quick brown fox jumps over the lazy dog while the cat sleeps in th
 @pytest.fixture(scope="module", params=["qwen3-tiny", "qwen3_5-tiny"])
 def served(request, model_cache):
     """The graph with prompt chunks of 16 tokens (every prompt here is longer), the prefix
-    cache on; the oracle on the same model."""
+    cache on, and small request limits; the oracle on the same model."""
     path = ensure_builtin(request.param, cache_dir=model_cache, progress=False)
-    g = Graph(f"model.builtin={request.param}", "scheduler.chunked_prefill_size=16")
+    g = Graph(f"model.builtin={request.param}", "scheduler.chunked_prefill_size=16",
+              "limits.max_request_tokens=300", "limits.max_prompts=8",
+              "limits.max_choices=64")
     api = openai.OpenAI(base_url=g.http + "/v1", api_key="unused", max_retries=0)
     yield g, api, Oracle(str(path)), request.param
     assert g.stop() == 0
@@ -213,3 +215,39 @@ def test_prompt_logprobs_on_the_zmq_api_from_a_position(served):
     np.testing.assert_allclose(r.prompt_logprobs[5:], want[4:], **TOL)
     assert all(len(t) == 2 for t in r.prompt_top_ids[5:])
     assert r.token_ids == oracle.greedy(ids, 2)
+
+
+def test_several_prompts_streamed_with_echo(served):
+    """Each choice's pieces carry its index; the prompt's piece comes first in each."""
+    _, api, oracle, name = served
+    prompts = [ids_of(oracle, t)[:10] for t in TEXTS[:3]]
+    chunks = list(api.completions.create(model=name, prompt=prompts, n=2, max_tokens=3,
+                                         temperature=0, echo=True, logprobs=1, stream=True,
+                                         stream_options={"include_usage": True}))
+    texts: dict[int, str] = {}
+    for c in chunks:
+        for choice in c.choices:
+            if choice.index not in texts:
+                assert len(choice.logprobs.token_logprobs) == 10  # the prompt's piece
+            texts[choice.index] = texts.get(choice.index, "") + choice.text
+    assert sorted(texts) == list(range(6))
+    for p, ids in enumerate(prompts):
+        want = oracle.tokenizer.decode(ids) + oracle.tokenizer.decode(oracle.greedy(ids, 3))
+        assert texts[2 * p] == texts[2 * p + 1] == want
+    assert chunks[-1].usage.prompt_tokens == 30 and chunks[-1].usage.completion_tokens == 18
+
+
+def test_the_request_limits_of_several_prompts_are_named(served):
+    _, api, _, name = served
+    with pytest.raises(openai.BadRequestError, match="max_request_tokens"):
+        api.completions.create(model=name, prompt=[[1000 + i for i in range(100)]] * 4,
+                               max_tokens=1)
+    with pytest.raises(openai.BadRequestError, match="max_request_tokens"):
+        api.completions.create(model=name, prompt=["one two three four " * 40] * 2,
+                               max_tokens=1)
+    with pytest.raises(openai.BadRequestError, match="max_prompts"):
+        api.completions.create(model=name, prompt=["a"] * 9, max_tokens=1)
+    with pytest.raises(openai.BadRequestError, match="max_choices"):
+        api.completions.create(model=name, prompt=["a"] * 8, n=16, max_tokens=1)
+    ok = api.completions.create(model=name, prompt=["a", "b"], max_tokens=1)
+    assert len(ok.choices) == 2
