@@ -203,17 +203,22 @@ def test_vllms_prompt_logprobs_extra(served):
 
 
 def test_prompt_logprobs_on_the_zmq_api_from_a_position(served):
+    """logprob_start_len=20 after the same prompt ran: a prefix hit covers at most the 19
+    positions before the first one scored (the hybrid model resumes at a chunk's end)."""
     from protocol.client import Client
 
     g, _, oracle, _ = served
-    ids = ids_of(oracle, TEXTS[0])
+    text = TEXTS[0] + " " + TEXTS[1]
+    ids = ids_of(oracle, text)
     with Client(g.address, timeout=60) as c:
-        r = c.generate(ids, max_new_tokens=2, logprob_start_len=5, top_logprobs=2, echo=True)
+        c.generate(ids, max_new_tokens=1)
+        r = c.generate(ids, max_new_tokens=2, logprob_start_len=20, top_logprobs=2, echo=True)
     want, _ = oracle.prompt_logprobs(ids)
-    assert r.prompt_ids == ids and r.prompt_text == TEXTS[0]
-    assert r.prompt_logprobs[:5] == [None] * 5 and r.prompt_top_ids[:5] == [[]] * 5
-    np.testing.assert_allclose(r.prompt_logprobs[5:], want[4:], **TOL)
-    assert all(len(t) == 2 for t in r.prompt_top_ids[5:])
+    assert 0 < r.cached_tokens <= 19
+    assert r.prompt_ids == ids and r.prompt_text == text
+    assert r.prompt_logprobs[:20] == [None] * 20 and r.prompt_top_ids[:20] == [[]] * 20
+    np.testing.assert_allclose(r.prompt_logprobs[20:], want[19:], **TOL)
+    assert all(len(t) == 2 for t in r.prompt_top_ids[20:])
     assert r.token_ids == oracle.greedy(ids, 2)
 
 
