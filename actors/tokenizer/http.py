@@ -18,10 +18,11 @@ from starlette.routing import Route
 
 from actors.tokenizer.chat_output import ChatOutput, finish_reason
 from actors.tokenizer.intake import RequestError
-from actors.tokenizer.openai_format import (chat_chunk, chat_response, choice_of,
-                                            completion_chunk, completion_response, error_body,
-                                            parse_chat, parse_completion, parse_tokenize,
-                                            prompt_of, usage)
+from actors.tokenizer.openai_format import (error_body, parse_chat, parse_completion,
+                                            parse_tokenize)
+from actors.tokenizer.openai_replies import (chat_chunk, chat_response, choice_of,
+                                             completion_chunk, completion_response, prompt_of,
+                                             usage)
 from protocol import messages as m
 from protocol.config import LimitsConfig
 
