@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
+from actors.model_runner.rows import StepError
 from actors.model_runner.sampling import score
 from protocol import messages as m
 
@@ -23,32 +24,31 @@ class PendingScores:
     """A chunk's prompt scores, not read back yet."""
 
     start: int  # the first position scored
-    logprobs: mx.array | None
-    top_ids: mx.array | None
+    logprobs: mx.array
+    top_ids: mx.array | None  # None: no alternatives asked
     top_logprobs: mx.array | None
 
     def arrays(self) -> list[mx.array]:
         return [a for a in (self.logprobs, self.top_ids, self.top_logprobs) if a is not None]
 
     def resolve(self) -> m.PromptScores:
-        if self.logprobs is None:
-            return m.PromptScores(start=self.start)
-        top_ids = self.top_ids.tolist() if self.top_ids is not None else None
-        top_lps = self.top_logprobs.tolist() if self.top_logprobs is not None else None
         n = self.logprobs.shape[0]
-        return m.PromptScores(start=self.start, logprobs=self.logprobs.tolist(),
-                              top_ids=top_ids or [[]] * n, top_logprobs=top_lps or [[]] * n)
+        none = [[]] * n
+        return m.PromptScores(
+            start=self.start, logprobs=self.logprobs.tolist(),
+            top_ids=none if self.top_ids is None else self.top_ids.tolist(),
+            top_logprobs=none if self.top_logprobs is None else self.top_logprobs.tolist())
 
 
 def score_chunk(logits: mx.array, ids: list[int], start: int, first: int, next_id: int,
                 k: int) -> PendingScores:
     """logits [n, V] of the chunk `ids` at `start`: the scores of the prompt tokens at
-    positions max(first, start + 1) .. the chunk's end (and the one after it when next_id is
-    a token, not -1), with k alternatives each."""
-    first = max(first, start + 1)
+    positions first .. the chunk's end (and the one after it when next_id is a token, not
+    -1), with k alternatives each. The scheduler sends only chunks with something to score."""
     targets = ids[first - start:] + ([next_id] if next_id >= 0 else [])
-    if not targets:
-        return PendingScores(first, None, None, None)
+    if not start < first <= start + len(ids) or not targets:
+        raise StepError(f"prompt scores from position {first} for a chunk of {len(ids)} "
+                        f"tokens at {start}")
     at = first - start - 1  # the logits before position `first`
     lp, top_ids, top_lps = score(logits[at:at + len(targets)], mx.array(targets), k)
     return PendingScores(first, lp, top_ids, top_lps)

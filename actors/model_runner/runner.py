@@ -176,11 +176,13 @@ class ModelRunner:
                                                  batch.future, batch.sample):
             if future:
                 continue
+            cache, kept = self._chunk_cache(row, start)
+            chunk = ids[at:at + n]
             if row in scored:
-                got = self._prefill_scored(row, ids[at:at + n], start, sample, *scored[row],
+                got = self._prefill_scored(row, cache, chunk, start, sample, *scored[row],
                                            by_row, done)
             else:
-                got = self._prefill(row, ids[at:at + n], start, sample, joining, done)
+                got = self._prefill(row, cache, kept, chunk, start, sample, joining, done)
             at += n
             if got is not None:
                 parts.append(([row], got))
@@ -265,23 +267,34 @@ class ModelRunner:
         logits = out[:, -1, :]
         return self.sampler.launch(rows, logits if live is None else logits[live])
 
-    def _prefill(self, row: int, ids: list[int], start: int, sample: bool,
-                 joining: dict[int, int], done: list[tuple[int, list[Any]]]) -> Pending | None:
+    def _chunk_cache(self, row: int, start: int) -> tuple[list[Any], list[mx.array] | None]:
+        """The row's caches for a prompt chunk at `start` (fresh ones, filled from the pools,
+        for a prompt's first chunk), and what a restored state kept of the head's input."""
+        cache, kept = self.rows.prompt_cache(row), None
+        if cache is None or start == 0:
+            cache, kept = self._new_prompt_cache(row, start)
+        self._check_chunk_start(row, cache, start)
+        return cache, kept
+
+    @staticmethod
+    def _fill(cache: list[Any]) -> None:
+        """A chunk that samples nothing: its caches are evaluated now, its logits never."""
+        before_host_sync()
+        mx.eval([c.state for c in cache])
+
+    def _prefill(self, row: int, cache: list[Any], kept: list[mx.array] | None, ids: list[int],
+                 start: int, sample: bool, joining: dict[int, int],
+                 done: list[tuple[int, list[Any]]]) -> Pending | None:
         """Run a prompt chunk. Where rows decode in this step, the last chunk's last token is
         left to the decode forward (added to `joining`): its logits then come out of the
         batched LM head, ~1 ms more per row there. With nothing decoding, the chunk runs whole
         with the head on its last position only (one pass over the weights, not the two of
         a chunk and then a one-token forward)."""
-        cache, kept = self.rows.prompt_cache(row), None
-        if cache is None or start == 0:
-            cache, kept = self._new_prompt_cache(row, start)
-        self._check_chunk_start(row, cache, start)
         if not ids:
             return self._sample_kept(row, cache, kept, done)
         if not sample:
-            self.model(mx.array(ids)[None], cache=cache)  # logits unused: never evaluated
-            before_host_sync()
-            mx.eval([c.state for c in cache])
+            self.model(mx.array(ids)[None], cache=cache)
+            self._fill(cache)
             return None
         self.rows.end_prompt(row)
         # An empty cache (a one-token prompt, nothing cached) cannot join a batch either.
@@ -296,18 +309,13 @@ class ModelRunner:
         joining[row] = ids[-1]
         return None
 
-    def _prefill_scored(self, row: int, ids: list[int], start: int, sample: bool, first: int,
-                        next_id: int, scores: dict[int, PendingScores],
+    def _prefill_scored(self, row: int, cache: list[Any], ids: list[int], start: int,
+                        sample: bool, first: int, next_id: int,
+                        scores: dict[int, PendingScores],
                         done: list[tuple[int, list[Any]]]) -> Pending | None:
         """A prompt chunk whose tokens are scored (prompt_scores.py): the LM head over every
         position, and the chunk runs on its own even where rows decode (its last position's
         logits are at hand, so the sample needs no decode row)."""
-        cache = self.rows.prompt_cache(row)
-        if cache is None or start == 0:
-            cache, _ = self._new_prompt_cache(row, start)
-        self._check_chunk_start(row, cache, start)
-        if not ids:
-            raise StepError(f"row {row}: a scored chunk has no prompt tokens")
         if sample:
             self.rows.end_prompt(row)
         # The head's input is recorded where snapshots keep it; the LM head itself always runs.
@@ -317,8 +325,7 @@ class ModelRunner:
         k = self.sampler.params[row].top_logprobs
         scores[row] = score_chunk(out[0], ids, start, first, next_id, k)
         if not sample:
-            before_host_sync()
-            mx.eval([c.state for c in cache])
+            self._fill(cache)
             return None
         done.append((row, cache))  # joins the batch after this step's decode forward
         return self._sample([row], out, head_out)

@@ -192,6 +192,10 @@ def _check_total(bridge: Bridge, prompts: list[m.GenerateRequest]) -> None:
     """Several prompts in one request: their tokens together within limits.max_request_tokens
     (each prompt's own errors are named when it is tokenized for the graph)."""
     limit = bridge.limits.max_request_tokens
+    # A byte-level BPE token holds at least one byte of UTF-8: prompts whose bytes fit are
+    # not tokenized here (they are once more on their way to the graph).
+    if sum(len(r.input_ids) or len(r.prompt.encode()) for r in prompts) <= limit:
+        return
     total = 0
     for r in prompts:
         try:

@@ -108,12 +108,12 @@ def _echoed(c: Choice, opts: dict[str, Any]) -> tuple[str, list, list, list, lis
     tids, tlps = list(c.top_ids or [[]] * n), list(c.top_logprobs or [[]] * n)
     if p is None:
         return c.text, ids, lps, tids, tlps
-    m_ = len(p["prompt_ids"])
+    length = len(p["prompt_ids"])
     scored = bool(p["prompt_logprobs"])
     return (p["prompt_text"] + c.text, p["prompt_ids"] + ids,
-            (p["prompt_logprobs"] if scored else [None] * m_) + lps,
-            (p["prompt_top_ids"] if scored else [[]] * m_) + tids,
-            (p["prompt_top_logprobs"] if scored else [[]] * m_) + tlps)
+            (p["prompt_logprobs"] if scored else [None] * length) + lps,
+            (p["prompt_top_ids"] if scored else [[]] * length) + tids,
+            (p["prompt_top_logprobs"] if scored else [[]] * length) + tlps)
 
 
 def _completion_choice(c: Choice, opts: dict[str, Any], logprobs: bool) -> dict[str, Any]:
