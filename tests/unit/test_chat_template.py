@@ -55,3 +55,72 @@ def test_a_tokenizer_without_a_template_refuses_chat_by_name(folder):
     (folder / "tokenizer_config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="no chat template"):
         load_tokenizer(str(folder)).apply_chat_template(MESSAGES)
+
+
+# -- the same text as transformers renders -----------------------------------------------------
+
+TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                   "required": ["city"]}}}]
+CONVERSATIONS = {
+    "plain": [{"role": "user", "content": "Wie geht's? 你好 <b>"}],
+    "system": MESSAGES,
+    "turns": [*MESSAGES, {"role": "assistant", "content": "Hello."},
+              {"role": "user", "content": "And now?"}],
+    "tool call": [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": "", "tool_calls": [{
+            "type": "function", "function": {"name": "get_weather",
+                                             "arguments": {"city": "Paris"}}}]},
+        {"role": "tool", "content": "{\"sky\": \"clear\"}"},
+        {"role": "user", "content": "Thanks"}],
+    "reasoning": [{"role": "user", "content": "2+2?"},
+                  {"role": "assistant", "content": "4", "reasoning_content": "adding"},
+                  {"role": "user", "content": "3+3?"}],
+}
+
+
+@pytest.mark.parametrize("builtin", ["qwen3-tiny", "qwen3_5-tiny"])
+@pytest.mark.parametrize("conversation", sorted(CONVERSATIONS))
+@pytest.mark.parametrize("extra", [{}, {"tools": TOOLS}, {"enable_thinking": False}])
+def test_jinja_rendering_equals_transformers(model_cache, builtin, conversation, extra):
+    transformers = pytest.importorskip("transformers")
+    path = ensure_builtin(builtin, cache_dir=model_cache, progress=False)
+    hf = transformers.AutoTokenizer.from_pretrained(str(path))
+    messages = CONVERSATIONS[conversation]
+    want = hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **extra)
+    tok = load_tokenizer(str(path))
+    assert tok.template.render(messages, **extra) == want
+    assert tok.apply_chat_template(messages, **extra) == hf.encode(want,
+                                                                   add_special_tokens=False)
+
+
+def test_named_templates_pick_tool_use_when_tools_are_given(folder):
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config["chat_template"] = [
+        {"name": "default", "template": "plain:{{ messages[0]['content'] }}"},
+        {"name": "tool_use", "template": "tools:{{ tools | length }}:{{ tools[0] | tojson }}"}]
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    tok = load_tokenizer(str(folder))
+    assert tok.template.render(MESSAGES) == "plain:Be brief."
+    # tojson keeps non-ASCII and HTML characters as they are, as HF's does.
+    tools = [{"name": "ü<&>"}]
+    assert tok.template.render(MESSAGES, tools=tools) == 'tools:1:{"name": "ü<&>"}'
+
+
+def test_generation_tags_render_their_body_and_raise_exception_is_an_error(folder):
+    (folder / "chat_template.jinja").write_text(
+        "{% for m in messages %}{% if m['role'] == 'tool' %}"
+        "{{ raise_exception('no tools here') }}{% endif %}"
+        "{% generation %}[{{ m['content'] }}]{% endgeneration %}{% endfor %}")
+    tok = load_tokenizer(str(folder))
+    assert tok.template.render(MESSAGES) == "[Be brief.][Hi]"
+    with pytest.raises(Exception, match="no tools here"):
+        tok.apply_chat_template([{"role": "tool", "content": "x"}])
+
+
+def test_a_template_cannot_reach_python_internals(folder):
+    (folder / "chat_template.jinja").write_text("{{ messages.__class__.__mro__ }}")
+    with pytest.raises(Exception, match="unsafe|access"):
+        load_tokenizer(str(folder)).apply_chat_template(MESSAGES)
