@@ -18,6 +18,7 @@ import msgspec
 from actors.logs import configure_logging, get_logger
 from actors.titles import set_title
 from models.info import ModelInfo
+from launch.sizing import size
 from protocol.config import Config, ConfigError, load_config
 from protocol.transport import derive_addresses, graph_actors, parse_name
 
@@ -149,6 +150,8 @@ def main(argv: list[str] | None = None) -> int:
         preflight(cfg)  # a BLAS asked for by name must be here
         actors = chosen_actors(cfg, args.only, args.skip)
         model = resolve_model(cfg)
+        cfg, sizing = size(cfg, model)
+        model = msgspec.structs.replace(model, sizing=sizing.why)
     except (ConfigError, OSError, ValueError) as e:
         print(f"launch: {e}", file=sys.stderr)
         return 2
@@ -157,6 +160,8 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"launch: {e}", file=sys.stderr)
         return 2
+    log.info("launch.sizing", max_running_requests=sizing.value, why=sizing.why,
+             decode_tok_s_by_rows={str(b): r for b, r in sorted(sizing.rates.items())} or None)
     log.info("launch.start", model=model.name, path=model.path,
              revision=model.revision or None, ipc_dir=addrs.ipc_dir,
              log_file=cfg.log.file or None, actors=actors)
@@ -173,8 +178,8 @@ def main(argv: list[str] | None = None) -> int:
                  log_file=cfg.log.file or None)
         # Where the model came from, last: the client address stays where scripts read it.
         source = f" from {model.path}" + (f" revision {model.revision}" if model.revision else "")
-        print(f"mlx-actor-serve ready: model {model.name} client {client}{http}{logs}{source}",
-              flush=True)
+        print(f"mlx-actor-serve ready: model {model.name} client {client}{http}{logs}{source}"
+              f"; max_running_requests {sizing.value} ({sizing.why})", flush=True)
 
     from launch.supervisor import Supervisor
 

@@ -24,6 +24,8 @@ class ModelInfo(msgspec.Struct, frozen=True):
     # layers whose memory per request is fixed (a recurrent state, a sliding window): what a
     # state slot holds for them
     state_layers: int = 0
+    # how the launcher chose scheduler.max_running_requests (launch/sizing.py)
+    sizing: str = ""
 
 
 def _ids(value) -> list[int]:

@@ -9,14 +9,31 @@ from protocol.config import Config
 
 
 def kv_capacity(cfg: Config, model: ModelInfo) -> int:
-    """KV slots: configured, or a fraction of physical memory over one token's KV bytes."""
+    """KV slots: configured, or a fraction of physical memory over one token's KV bytes (no
+    more than every running request at the full context)."""
+    if cfg.memory.kv_tokens:
+        return cfg.memory.kv_tokens
+    running = cfg.scheduler.max_running_requests
+    ceiling = running * model.context_length if isinstance(running, int) else 1 << 62
+    return max(1, min(kv_budget(cfg, model), ceiling))
+
+
+def kv_budget(cfg: Config, model: ModelInfo) -> int:
+    """The KV tokens memory allows: memory.kv_tokens, or memory.kv_fraction of this machine's
+    physical memory (shared by the runner processes on it) over one token's KV bytes."""
     if cfg.memory.kv_tokens:
         return cfg.memory.kv_tokens
     physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     physical //= cfg.runners_here()  # the replicas' ranks share this machine's memory
-    per_token = max(1, kv_bytes_per_token(cfg, model))
-    ceiling = cfg.scheduler.max_running_requests * model.context_length
-    return max(1, min(int(physical * cfg.memory.kv_fraction) // per_token, ceiling))
+    return int(physical * cfg.memory.kv_fraction) // max(1, kv_bytes_per_token(cfg, model))
+
+
+def running_requests(cfg: Config) -> int:
+    running = cfg.scheduler.max_running_requests
+    if not isinstance(running, int):
+        raise ValueError("scheduler.max_running_requests is still auto: the launcher sizes it "
+                         "before the actors start (launch/sizing.py)")
+    return running
 
 
 def kv_bytes_per_token(cfg: Config, model: ModelInfo) -> int:
@@ -34,4 +51,4 @@ def state_capacity(cfg: Config, model: ModelInfo) -> int:
     rest hold prefix snapshots."""
     if not model.state_layers:
         return 0
-    return cfg.memory.state_slots or 4 * cfg.scheduler.max_running_requests
+    return cfg.memory.state_slots or 4 * running_requests(cfg)

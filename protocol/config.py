@@ -141,7 +141,14 @@ def _key_file(path: str) -> tuple[bytes, bytes]:
 
 
 class SchedulerConfig(Section):
-    max_running_requests: Annotated[int, Meta(ge=1, le=4096)] = 16
+    # Requests decoding at once. auto: sized by the launcher from the KV pool (its tokens over
+    # auto_context_tokens) and capped where the decode step's throughput stops growing for
+    # this model on this machine (a short calibration at the first launch, cached:
+    # launch/sizing.py); the ready line and the runner.ready log say the value and why.
+    max_running_requests: Annotated[int, Meta(ge=1, le=4096)] | Literal["auto"] = "auto"
+    # max_running_requests = auto: the context (prompt and output tokens) a request is
+    # expected to hold, which the KV pool must have room for at every running request.
+    auto_context_tokens: Annotated[int, Meta(ge=1)] = 2048
     # Requests waiting for admission; beyond this a new one gets a "queue full" error at once.
     max_queued_requests: Annotated[int, Meta(ge=0)] = 1024
     # Send step N+1 before processing step N's result, so the runner never waits for Python.

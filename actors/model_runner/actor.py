@@ -196,6 +196,8 @@ async def serve(shell: Shell) -> None:
     installed = mlx.runner.cpu
     shell.log.info("runner.blas", **installed.log_fields())
     shell.log.info("runner.weights", **installed.weights.log_fields())
+    shell.log.info("runner.ready", max_running_requests=shell.cfg.scheduler.max_running_requests,
+                   kv_slots=kv_capacity(shell.cfg, shell.model), why=shell.model.sizing or None)
     if installed.weights.missing:
         shell.log.warning("runner.kernels_missing", reason=installed.weights.missing,
                           fallback="jit")

@@ -126,14 +126,18 @@ class HttpFront:
                 "context_length": model.context_length, "tp_size": cfg.runner.tp,
                 "dp_size": cfg.scheduler.dp,
                 "max_running_requests": cfg.scheduler.max_running_requests,
+                "max_running_requests_why": model.sizing,
                 "engine": "mlx-actor-serve"}
 
     def tokenize(self, req: m.GenerateRequest) -> list[int]:
         return self.front.tokenize(req)
 
     def metrics(self) -> str:
+        cfg = self.actor.shell.cfg
         return self.actor.metrics.render(self.model_name, len(self.front.open),
-                                         self.front.internal_errors, self.front.router.routed)
+                                         self.front.internal_errors, self.front.router.routed,
+                                         running_cap=cfg.scheduler.max_running_requests,
+                                         sizing=self.actor.shell.model.sizing)
 
     @functools.lru_cache(maxsize=1 << 16)
     def token_text(self, token_id: int) -> str:

@@ -58,7 +58,7 @@ class Metrics:
             self.finished["error"] = self.finished.get("error", 0) + 1
 
     def render(self, model: str, open_requests: int, internal_errors: int = 0,
-               routed: list[int] = ()) -> str:
+               routed: list[int] = (), running_cap: int = 0, sizing: str = "") -> str:
         """The schedulers' last counts; zero once nothing is open (their last word may be
         old). `routed`: requests sent to each data-parallel replica (when there are several)."""
         labels = f'model_name="{model}"'
@@ -67,6 +67,9 @@ class Metrics:
         lines = [
             "# TYPE mas:num_requests_running gauge",
             f"mas:num_requests_running{{{labels}}} {sum(r for r, _ in loads.values())}",
+            # scheduler.max_running_requests per replica (launch/sizing.py sized it if auto)
+            "# TYPE mas:max_running_requests gauge",
+            f'mas:max_running_requests{{{labels},why="{_label(sizing)}"}} {running_cap}',
             "# TYPE mas:num_requests_waiting gauge",
             f"mas:num_requests_waiting{{{labels}}} {sum(q for _, q in loads.values())}",
             "# TYPE mas:prompt_tokens_total counter",
@@ -93,3 +96,8 @@ class Metrics:
         lines += self.itl.render("mas:inter_token_latency_seconds", labels)
         lines += self.e2e.render("mas:e2e_request_latency_seconds", labels)
         return "\n".join(lines) + "\n"
+
+
+def _label(text: str) -> str:
+    """A Prometheus label value: backslashes, quotes and newlines escaped."""
+    return text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")

@@ -71,6 +71,7 @@ class Target:
     base_url: str
     model: str
     extra: dict[str, Any]
+    pid: int = 0  # the server's process (our launcher), where the benchmark reads its actors
 
     def client(self) -> openai.AsyncOpenAI:
         return openai.AsyncOpenAI(base_url=self.base_url, api_key="bench", max_retries=0,

@@ -34,7 +34,8 @@ def _free_port() -> int:
 def ours(model_dir: str, blas: str, overrides: list[str] = ()) -> Iterator[Target]:
     graph = start_graph(f"model.path={model_dir}", f"runtime.blas={blas}", *overrides)
     try:
-        yield Target("mlx-actor-serve", graph.http + "/v1", graph.model, {"ignore_eos": True})
+        yield Target("mlx-actor-serve", graph.http + "/v1", graph.model, {"ignore_eos": True},
+                     graph.proc.pid)
     finally:
         stop_graph(graph.proc)
 

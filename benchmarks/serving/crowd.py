@@ -1,0 +1,162 @@
+"""Many clients at once: this server with its default config against the bare mlx-lm forward
+doing the same work, and mlx_lm.server, from 1 to 256 concurrent streams; per actor, the CPU
+time per output token and the memory.
+
+    python -m benchmarks.serving.crowd [--model qwen3-small | --model-path DIR]
+        [--concurrency 1 16 64 128 256] [--prompt-tokens 128] [--output-tokens 128]
+        [--mlx-lm-max 128] [--json docs/bench/crowd.json] [--markdown BENCHMARKS.md]
+
+At each level `c`, c clients each send one streamed /v1/completions request of
+prompt_tokens words and exactly output_tokens tokens (one wave, all sent at once). The bare
+forward (benchmarks/kernels/forward.py) does the same work at batch c: the c prompts
+prefilled together, then the decode steps, tokens read back every step; its rate is
+c * output_tokens over both. The actors' CPU time is /proc's utime + stime over the level,
+divided by the output tokens; RSS is read at the end of each level.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from benchmarks.serving.load import PromptMaker, Target, closed_loop, summarize
+from benchmarks.serving.run import machine, resolve_model
+from benchmarks.serving.servers import mlx_lm_server, ours
+from harness.graph import ROOT
+
+ACTORS = ("launch", "tokenizer", "scheduler", "runner", "detokenizer")
+TICK = 100  # clock ticks per second of /proc/<pid>/stat (Linux's USER_HZ)
+BEGIN, END = "<!-- crowd:begin -->", "<!-- crowd:end -->"
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                out.append(int(stat.parent.name))
+        except (OSError, IndexError, ValueError):
+            continue
+    return out
+
+
+def actor_pids(launcher: int) -> dict[str, int]:
+    """The graph's processes by their titles (mas-launch, mas-tokenizer, ...)."""
+    pids = {"launch": launcher}
+    for pid in _children(launcher):
+        try:
+            title = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode()
+        except OSError:
+            continue
+        if title.startswith("mas-"):
+            pids[title[4:]] = pid
+    return pids
+
+
+def cpu_s(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / TICK
+
+
+def rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return round(int(line.split()[1]) / 1024, 1)
+    return float("nan")
+
+
+def bare(model_dir: str, args: argparse.Namespace) -> dict[int, dict[str, Any]]:
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        subprocess.run([sys.executable, "-m", "benchmarks.kernels.forward", "--model-path",
+                        model_dir, "--batch-sizes", *map(str, args.concurrency),
+                        "--prompt-tokens", str(args.prompt_tokens), "--output-tokens",
+                        str(args.output_tokens), "--blas", args.blas, "--json", f.name],
+                       check=True, cwd=ROOT)
+        rows = json.loads(Path(f.name).read_text())["results"]
+    out = {}
+    for r in rows:
+        wall = r["prefill_s"] + r["decode_s"]
+        out[r["batch"]] = {**r, "output_tok_s": round(r["batch"] * args.output_tokens / wall, 1)}
+    return out
+
+
+async def sweep(target: Target, prompts: dict[int, list[str]], args: argparse.Namespace,
+                pids: dict[str, int] | None = None) -> list[dict[str, Any]]:
+    out = []
+    await closed_loop(target, prompts[min(prompts)][:1], 1, 8)  # warm-up
+    for c, batch in prompts.items():
+        if c > args.max_level.get(target.name, c):
+            continue
+        before = {a: cpu_s(p) for a, p in (pids or {}).items()}
+        samples, wall = await closed_loop(target, batch, c, args.output_tokens)
+        row = summarize(samples, wall, c)
+        if pids:
+            tokens = max(1, row["output_tokens"])
+            row["cpu_us_per_token"] = {a: round(1e6 * (cpu_s(p) - before[a]) / tokens, 1)
+                                       for a, p in pids.items()}
+            row["rss_mib"] = {a: rss_mib(p) for a, p in pids.items()}
+        print(f"{target.name} c={c}: {row['output_tok_s']:.0f} tok/s, TTFT p50 "
+              f"{row['ttft_p50_s']:.2f} s, errors {row['errors']}", file=sys.stderr)
+        out.append(row)
+    return out
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.serving.crowd",
+                                description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="qwen3-small", help="built-in model name")
+    p.add_argument("--model-path", default="", help="a local mlx-lm model directory instead")
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64, 128, 256])
+    p.add_argument("--prompt-tokens", type=int, default=128)
+    p.add_argument("--output-tokens", type=int, default=128)
+    p.add_argument("--mlx-lm-max", type=int, default=128,
+                   help="the highest level mlx_lm.server is driven at (0: not at all)")
+    p.add_argument("--blas", default="auto", help="runtime.blas for every party")
+    p.add_argument("--set", action="append", default=[], help="launch --set for our server")
+    p.add_argument("--json", default="", help="write the results here")
+    p.add_argument("--markdown", default="", help="update this file's crowd section")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    args.max_level = {"mlx_lm.server": args.mlx_lm_max}
+    model_dir = resolve_model(args)
+    from models.info import read_model_info
+    from models.tokenizer import load_tokenizer
+
+    maker = PromptMaker(load_tokenizer(model_dir))
+    prompts = {c: [maker.make(args.prompt_tokens, seed=1000 * c + k) for k in range(c)]
+               for c in args.concurrency}
+    report: dict[str, Any] = {"machine": machine(), "model": Path(model_dir).name,
+                              "when": time.strftime("%Y-%m-%d %H:%M"), "args": sys.argv[1:],
+                              "prompt_tokens": args.prompt_tokens,
+                              "output_tokens": args.output_tokens}
+    report["bare"] = bare(model_dir, args)
+    with ours(model_dir, args.blas, args.set) as target:
+        pids = actor_pids(target.pid)
+        report["ours"] = asyncio.run(sweep(target, prompts, args, pids))
+    if args.mlx_lm_max:
+        eos = read_model_info(model_dir).eos_ids
+        with mlx_lm_server(model_dir, args.blas, eos) as target:
+            report["mlx_lm"] = asyncio.run(sweep(target, prompts, args))
+    text = json.dumps(report, indent=2, default=str)
+    if args.json:
+        Path(args.json).write_text(text + "\n")
+    if args.markdown:
+        from benchmarks.serving.crowd_report import update_markdown
+
+        update_markdown(Path(args.markdown), report, BEGIN, END)
+    print(text if not args.json else f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,70 @@
+"""64 clients at once on the default config: max_running_requests is "auto" (launch/sizing.py),
+so they decode together in batches far larger than the old fixed 16, each request's greedy
+tokens still mlx_lm.generate's."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import urllib.request
+
+import numpy as np
+import pytest
+
+from protocol.client import AsyncClient
+from models.builtin import ensure_builtin
+from tests.e2e.oracle import Oracle
+
+pytestmark = pytest.mark.slow
+
+CLIENTS = 64
+
+
+@pytest.fixture(scope="module")
+def oracle(model_cache):
+    return Oracle(str(ensure_builtin("qwen3-tiny", cache_dir=model_cache, progress=False)))
+
+
+def _requests() -> list[tuple[list[int], int]]:
+    """Prompts of 1 to ~300 ordinary tokens and 4 to 40 new tokens, all different."""
+    rng = np.random.default_rng(64)
+    return [(rng.integers(1000, 100_000, size=1 + (37 * k) % 301).tolist(), 4 + (k * 7) % 37)
+            for k in range(CLIENTS)]
+
+
+async def _all_at_once(address: str, requests) -> list:
+    clients = [AsyncClient(address) for _ in range(8)]
+    try:
+        return await asyncio.wait_for(asyncio.gather(*[
+            clients[k % len(clients)].generate(ids, max_new_tokens=n)
+            for k, (ids, n) in enumerate(requests)]), 300)
+    finally:
+        for c in clients:
+            await c.close()
+
+
+def test_64_concurrent_requests_of_different_lengths_equal_mlx_lm(graph, oracle):
+    requests = _requests()
+    got = asyncio.run(_all_at_once(graph.address, requests))
+    for (ids, n), reply in zip(requests, got):
+        assert reply.prompt_tokens == len(ids)
+        oracle.check(ids, reply.token_ids, oracle.greedy(ids, n))
+    assert len({tuple(r.token_ids) for r in got}) > CLIENTS // 2  # varied continuations
+    # The batch was sized for them (auto): many rows ran at once
+    # (short requests end before the last prompts are in, so their rows are reused).
+    sized = graph.events("launch.sizing")[0]
+    assert sized["why"].startswith("auto:") and sized["max_running_requests"] >= 8
+    rows = {r["row"] for r in graph.events("request.admitted")}
+    assert len(rows) >= min(CLIENTS, sized["max_running_requests"]) // 2
+
+def test_the_ready_line_runner_log_and_metrics_say_how_many_run_and_why(graph):
+    sized = graph.events("launch.sizing")[0]
+    value = sized["max_running_requests"]
+    ready = graph.wait_for("runner.ready")[0]
+    assert ready["max_running_requests"] == value and ready["why"] == sized["why"]
+    assert re.search(r"KV pool holds \d+ requests of 2048 tokens", sized["why"])
+    rates = sized["decode_tok_s_by_rows"]
+    assert rates and all(r > 0 for r in rates.values())
+    text = urllib.request.urlopen(f"{graph.http}/metrics", timeout=10).read().decode()
+    line = next(x for x in text.splitlines() if x.startswith("mas:max_running_requests{"))
+    assert line.endswith(f" {value}") and 'why="auto: ' in line
