@@ -21,13 +21,16 @@ LADDER = (8, 16, 32, 64, 128, 256)
 CONTEXT = 64  # tokens each calibration row holds
 # Timed steps per batch size, after one untimed: at least REPEAT and MIN_SECONDS of them (a
 # tiny model's steps take milliseconds); the fastest is kept, the least disturbed.
-REPEAT = 5
-MIN_SECONDS = 0.3
+REPEAT = 3
+MIN_SECONDS = 0.2
+BUDGET_S = 4.0  # a launch waits this long at most (plus one ladder step) for the measurement
 
 
 def decode_rates(model: Any, installed: Any, ladder: tuple[int, ...] = LADDER,
-                 context: int = CONTEXT, repeat: int = REPEAT) -> dict[int, float]:
-    """Output tokens per second of a greedy decode step at each batch size of `ladder`."""
+                 context: int = CONTEXT, repeat: int = REPEAT,
+                 budget_s: float = BUDGET_S) -> dict[int, float]:
+    """Output tokens per second of a greedy decode step at each batch size of `ladder`, up to
+    the first batch size at which the calibration has run for `budget_s`."""
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
 
@@ -50,18 +53,20 @@ def decode_rates(model: Any, installed: Any, ladder: tuple[int, ...] = LADDER,
                 model(decode.inputs(token_buf), cache=decode.caches)
             return installed.greedy.tokens(got.hidden[:, -1, :])
 
-    rates = {}
+    rates, began = {}, time.perf_counter()
     for batch in sorted(ladder):
         while rows < batch:
             rows += 1
             decode.join(rows, prompt)
         mx.eval(step())
         took: list[float] = []
-        while len(took) < repeat or sum(took) < MIN_SECONDS:
+        while len(took) < repeat or (sum(took) < MIN_SECONDS and len(took) < 30):
             start = time.perf_counter()
             mx.eval(step())
             took.append(time.perf_counter() - start)
         rates[batch] = batch / min(took)
+        if time.perf_counter() - began > budget_s:
+            break  # a slow model's larger batches are not measured: it is capped here
     return rates
 
 

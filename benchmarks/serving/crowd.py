@@ -23,6 +23,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -142,6 +143,11 @@ def main(argv: list[str] | None = None) -> int:
     report["bare"] = bare(model_dir, args)
     with ours(model_dir, args.blas, args.set) as target:
         pids = actor_pids(target.pid)
+        info = target.base_url.removesuffix("/v1") + "/server_info"
+        with urllib.request.urlopen(info, timeout=30) as f:
+            got = json.loads(f.read())
+        report["max_running_requests"] = got["max_running_requests"]
+        report["max_running_requests_why"] = got.get("max_running_requests_why", "")
         report["ours"] = asyncio.run(sweep(target, prompts, args, pids))
     if args.mlx_lm_max:
         eos = read_model_info(model_dir).eos_ids
@@ -151,11 +157,69 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         Path(args.json).write_text(text + "\n")
     if args.markdown:
-        from benchmarks.serving.crowd_report import update_markdown
-
-        update_markdown(Path(args.markdown), report, BEGIN, END)
+        write_markdown(Path(args.markdown), report)
     print(text if not args.json else f"wrote {args.json}")
     return 0
+
+
+LEAN = ("launch", "tokenizer", "scheduler", "detokenizer")
+
+
+def _ratio(a: float | None, b: float | None) -> str:
+    return f"{a / b:.2f}" if a and b else "n/a"
+
+
+def render(report: dict[str, Any]) -> str:
+    """The section of BENCHMARKS.md: rates against the bare forward and mlx_lm.server, and
+    what each actor costs."""
+    bare_rows = {int(k): v for k, v in report["bare"].items()}
+    theirs = {r["concurrency"]: r for r in report.get("mlx_lm", [])}
+    m = report["machine"]
+    lines = [f"Measured by `python -m benchmarks.serving.crowd {' '.join(report['args'])}` on "
+             f"{report['when']}: {m['cpu']}, {m['cores']} cores, Python {m['python']}. Model "
+             f"`{report['model']}`, default config: max_running_requests = "
+             f"{report['max_running_requests']} ({report['max_running_requests_why']}). "
+             f"Prompts of {report['prompt_tokens']} tokens, exactly {report['output_tokens']} "
+             "output tokens, one wave of `c` streamed requests per level; the bare forward "
+             "prefills the same number of prompts as one batch, then decodes.", "",
+             "| c | ours tok/s | bare tok/s | ours / bare | mlx_lm.server tok/s | ours / "
+             "mlx_lm.server | TTFT p50 s | ITL p50 ms | errors (ours, mlx_lm) |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in report["ours"]:
+        c, bare_rate = r["concurrency"], bare_rows.get(r["concurrency"], {}).get("output_tok_s")
+        other = theirs.get(c, {})
+        lines.append(f"| {c} | {r['output_tok_s']:.0f} | {bare_rate or 'n/a'} | "
+                     f"{_ratio(r['output_tok_s'], bare_rate)} | "
+                     f"{other.get('output_tok_s', float('nan')):.0f} | "
+                     f"{_ratio(r['output_tok_s'], other.get('output_tok_s'))} | "
+                     f"{r['ttft_p50_s']:.2f} | {1000 * r['itl_p50_s']:.1f} | "
+                     f"{r['errors']}, {other.get('errors', 'n/a')} |")
+    lines += ["", "CPU time per output token (us) and RSS (MiB) at the end of each level, per "
+              "process; \"lean\" is the launcher, tokenizer, scheduler and detokenizer together.",
+              "", "| c | " + " | ".join(f"{a} us" for a in (*LEAN, "lean", "runner")) + " | "
+              + " | ".join(f"{a} MiB" for a in (*LEAN, "lean", "runner")) + " |",
+              "|---" * (2 * len(LEAN) + 5) + "|"]
+    for r in report["ours"]:
+        cpu, rss = r["cpu_us_per_token"], r["rss_mib"]
+        cells = [f"{cpu.get(a, 0):.0f}" for a in LEAN] + [
+            f"{sum(cpu.get(a, 0) for a in LEAN):.0f}", f"{cpu.get('runner', 0):.0f}"]
+        cells += [f"{rss.get(a, 0):.0f}" for a in LEAN] + [
+            f"{sum(rss.get(a, 0) for a in LEAN):.0f}", f"{rss.get('runner', 0):.0f}"]
+        lines.append(f"| {r['concurrency']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def write_markdown(path: Path, report: dict[str, Any]) -> None:
+    """Replace the section for this model between its markers (added at the end if new)."""
+    begin, end = (BEGIN.replace("crowd", f"crowd {report['model']}"),
+                  END.replace("crowd", f"crowd {report['model']}"))
+    section = f"{begin}\n{render(report)}{end}"
+    text = path.read_text() if path.is_file() else ""
+    if begin in text and end in text:
+        text = text[:text.index(begin)] + section + text[text.index(end) + len(end):]
+    else:
+        text = text.rstrip("\n") + "\n\n" + section + "\n"
+    path.write_text(text)
 
 
 if __name__ == "__main__":
