@@ -31,6 +31,8 @@ class ScriptedInbox:
 
 def make_actor(bursts=(), model=None, **config):
     actor = SchedulerActor.__new__(SchedulerActor)  # no sockets: the inbox is scripted
+    # Actors get the launcher's config, auto already sized (launch/sizing.py).
+    config.setdefault("scheduler", {}).setdefault("max_running_requests", 16)
     actor.shell = SimpleNamespace(cfg=config_from_dict(config), model=model)
     actor.log = structlog.get_logger()
     actor.inbox = ScriptedInbox(bursts)
