@@ -30,7 +30,8 @@ from models.info import ModelInfo
 from models.sizing import kv_budget
 from protocol.config import Config, config_to_dict
 
-VERSION = 1  # bump when the calibration itself changes: cached answers are then remeasured
+VERSION = 2  # bump when the calibration or what it runs on changes: cached answers are then
+# remeasured (2: MKL's threads sleep between products, KMP_BLOCKTIME; a user's value is in the key)
 SHARE = 0.97  # the cap reaches this share of the best measured rate: where it saturates
 FALLBACK = 32  # when the calibration cannot run: the batch mlx_lm.server decodes by default
 SNAPSHOT_SLOTS = 64
@@ -67,7 +68,8 @@ def calibration_key(cfg: Config, model: ModelInfo) -> str:
                    for p in folder.iterdir() if p.suffix in (".json", ".safetensors"))
     blob = json.dumps({"v": VERSION, "files": files, "path": str(folder.resolve()),
                        "cpu": _cpu(), "cores": os.cpu_count(), "runners": cfg.runners_here(),
-                       "runtime": config_to_dict(cfg)["runtime"]}, sort_keys=True)
+                       "runtime": config_to_dict(cfg)["runtime"],
+                       "blocktime": os.environ.get("KMP_BLOCKTIME")}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 

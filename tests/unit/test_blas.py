@@ -58,3 +58,19 @@ def test_loading_after_mlx_is_refused():
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
                          timeout=120)
     assert "before mlx is imported" in out.stdout
+
+
+@pytest.mark.skipif(not LINUX_X86, reason="the mkl wheel is a Linux x86-64 dependency")
+@pytest.mark.parametrize("given, seen", [(None, "KMP_BLOCKTIME=0"), ("5ms", "KMP_BLOCKTIME=5ms")])
+def test_mkl_threads_sleep_between_products_unless_told_otherwise(given, seen):
+    # KMP_SETTINGS makes Intel OpenMP print the settings it runs with when it starts.
+    env = {k: v for k, v in os.environ.items() if k != "KMP_BLOCKTIME"}
+    env["KMP_SETTINGS"] = "1"
+    if given:
+        env["KMP_BLOCKTIME"] = given
+    out = subprocess.run([sys.executable, "-c", MATMUL, "mkl"], env=env, cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    settings = [line.strip() for line in (out.stdout + out.stderr).splitlines()
+                if line.strip().startswith("KMP_BLOCKTIME=")]
+    assert settings and settings[0] in (seen, seen + "ms"), settings

@@ -73,6 +73,15 @@ def load_library(path: str | None) -> str:
         # One MKL thread per core by default; GNU OpenMP would clash with none of ours, but
         # Intel's is what the wheel ships (intel-openmp).
         os.environ.setdefault("MKL_THREADING_LAYER", "INTEL")
+        # Intel OpenMP's idle threads spin 200 ms after each parallel region by default: with a
+        # step every few ms they never sleep, and on a small machine the spinning core is the
+        # one our kernels' pool, MLX's stream thread, the other actors and the clients need.
+        # Sleeping at once, qwen3-tiny at 128 streams: 1,878 -> 3,098 tok/s, the runner's CPU
+        # 1.53 -> 1.12 cores; qwen3-small at 1/16/64 streams: the same rates within noise, the
+        # runner 1.8 -> 1.3 cores at 16-64 (served, 128-token prompts and outputs as
+        # benchmarks.serving.crowd sends them; prefill: below). A KMP_BLOCKTIME of the user's
+        # wins.
+        os.environ.setdefault("KMP_BLOCKTIME", "0")
     if path is not None:
         ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
     return path or "bundled"
