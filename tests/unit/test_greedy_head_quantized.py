@@ -149,8 +149,9 @@ def test_probe_takes_the_heads_the_kernel_covers():
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["qwen3-small-4bit", "qwen3-small-8bit"])
 def test_a_quantized_checkpoint_keeps_mlx_lms_tokens_through_it(name, model_cache, monkeypatch):
-    """The runner core on a 4-bit and an 8-bit checkpoint (a head the kernel covers): batched
-    greedy decode goes through the quantized greedy head, and the tokens are mlx-lm's."""
+    """The runner core on a 4-bit and an 8-bit checkpoint (a head the kernel covers): greedy
+    decode steps of QUANTIZED_MIN_ROWS rows or more go through the quantized greedy head,
+    smaller ones through the model's own head, and the tokens are mlx-lm's."""
     from actors.model_runner.cpu.greedy_head import GreedyHead
     from models.builtin import ensure_builtin
     from models.info import read_model_info
@@ -166,11 +167,23 @@ def test_a_quantized_checkpoint_keeps_mlx_lms_tokens_through_it(name, model_cach
         or original(self, x, allowed))
     path = str(ensure_builtin(name, cache_dir=model_cache, progress=False))
     oracle = Oracle(path)
-    ids = [oracle.tokenizer.encode(p) for p in
-           ["Hello world", "def f(x):\n    return", "中文的自然语言处理", "One two three. " * 12]]
-    arrivals = {0: [("a", ids[0], 10), ("b", ids[1], 6)], 2: [("c", ids[2], 8)],
-                3: [("d", ids[3], 7)]}
-    got, _ = run(path, read_model_info(path), arrivals)
+    texts = ["Hello world", "def f(x):\n    return", "中文的自然语言处理", "One two three. " * 12,
+             "The river", "import numpy", "1, 2, 3,", "Once upon", "SELECT *"]
+    ids = [oracle.tokenizer.encode(p) for p in texts]
+    arrivals = {0: [("a", ids[0], 12), ("b", ids[1], 6)], 2: [("c", ids[2], 10)],
+                3: [(rid, ids[k], 9) for k, rid in enumerate("defghi", start=3)]}
+    got, _ = run(path, read_model_info(path), arrivals, max_rows=12, chunk=64)
     _check_all(oracle, arrivals, got)
     assert calls and all(quantized for quantized, _ in calls)
-    assert any(rows > 1 for _, rows in calls)  # batched decode rows
+    # Only the steps of 8 rows or more; the others (the first steps: 2-3 rows) took the head.
+    assert all(rows >= greedy_head.QUANTIZED_MIN_ROWS for _, rows in calls)
+
+
+def test_a_quantized_head_is_screened_from_its_minimum_rows():
+    q = quantize(np.random.default_rng(0).standard_normal((64, 128)).astype(np.float32), 64, 4)
+    head = greedy_head.GreedyHead(q, mk)
+    below = greedy_head.QUANTIZED_MIN_ROWS - 1
+    assert not head.takes(1) and not head.takes(below)
+    assert head.takes(below + 1) and head.takes(256)
+    dense = greedy_head.GreedyHead(mx.array(np.ones((64, 128), np.float32)), mk)
+    assert dense.takes(1)
