@@ -51,7 +51,8 @@ def calibration_dir() -> Path:
     return root / "calibration"
 
 
-def _cpu() -> str:
+def cpu_name() -> str:
+    """The CPU's model name (the calibration's key; the benchmarks' machine line)."""
     try:
         with open("/proc/cpuinfo") as f:
             return next(line.split(":", 1)[1].strip() for line in f
@@ -67,7 +68,7 @@ def calibration_key(cfg: Config, model: ModelInfo) -> str:
     files = sorted((p.name, p.stat().st_size, int(p.stat().st_mtime))
                    for p in folder.iterdir() if p.suffix in (".json", ".safetensors"))
     blob = json.dumps({"v": VERSION, "files": files, "path": str(folder.resolve()),
-                       "cpu": _cpu(), "cores": os.cpu_count(), "runners": cfg.runners_here(),
+                       "cpu": cpu_name(), "cores": os.cpu_count(), "runners": cfg.runners_here(),
                        "runtime": config_to_dict(cfg)["runtime"],
                        "blocktime": os.environ.get("KMP_BLOCKTIME")}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
@@ -79,8 +80,8 @@ def measured_rates(cfg: Config, model: ModelInfo) -> dict[int, float]:
     file = calibration_dir() / f"{calibration_key(cfg, model)}.json"
     if file.is_file():
         try:
-            return {int(b): float(r) for b, r in json.loads(file.read_text())["rates"].items()}
-        except (OSError, ValueError, KeyError):
+            return _rates(json.loads(file.read_text()))
+        except (OSError, ValueError, KeyError, AttributeError):
             pass  # a damaged file is measured again
     job = json.dumps({"config": config_to_dict(cfg), "path": model.path})
     try:
@@ -95,9 +96,14 @@ def measured_rates(cfg: Config, model: ModelInfo) -> dict[int, float]:
     got = json.loads(done.stdout.strip().splitlines()[-1])
     file.parent.mkdir(parents=True, exist_ok=True)
     tmp = file.with_suffix(f".tmp{os.getpid()}")
-    tmp.write_text(json.dumps({**got, "model": model.path, "cpu": _cpu()}) + "\n")
+    tmp.write_text(json.dumps({**got, "model": model.path, "cpu": cpu_name()}) + "\n")
     tmp.replace(file)  # whole or absent, for launches racing on one machine
-    return {int(b): float(r) for b, r in got["rates"].items()}
+    return _rates(got)
+
+
+def _rates(answer: dict) -> dict[int, float]:
+    """The calibration's answer (as it prints it, and the cache keeps it): tok/s by rows."""
+    return {int(b): float(r) for b, r in answer["rates"].items()}
 
 
 def throughput_cap(rates: dict[int, float]) -> int:

@@ -11,11 +11,11 @@ from protocol.config import Config
 def kv_capacity(cfg: Config, model: ModelInfo) -> int:
     """KV slots: configured, or a fraction of physical memory over one token's KV bytes (no
     more than every running request at the full context)."""
+    budget, running = kv_budget(cfg, model), cfg.scheduler.max_running_requests
     if cfg.memory.kv_tokens:
-        return cfg.memory.kv_tokens
-    running = cfg.scheduler.max_running_requests
-    ceiling = running * model.context_length if isinstance(running, int) else 1 << 62
-    return max(1, min(kv_budget(cfg, model), ceiling))
+        return budget
+    ceiling = running * model.context_length if isinstance(running, int) else budget
+    return max(1, min(budget, ceiling))
 
 
 def kv_budget(cfg: Config, model: ModelInfo) -> int:

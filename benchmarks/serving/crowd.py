@@ -28,36 +28,25 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.serving.load import PromptMaker, Target, closed_loop, summarize
-from benchmarks.serving.run import machine, resolve_model
+from benchmarks.serving.run import add_model_args, machine, resolve_model
 from benchmarks.serving.servers import mlx_lm_server, ours
 from harness.graph import ROOT
+from harness.procs import children, title
 
 ACTORS = ("launch", "tokenizer", "scheduler", "runner", "detokenizer")
 TICK = 100  # clock ticks per second of /proc/<pid>/stat (Linux's USER_HZ)
-BEGIN, END = "<!-- crowd:begin -->", "<!-- crowd:end -->"
-
-
-def _children(pid: int) -> list[int]:
-    out = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == pid:
-                out.append(int(stat.parent.name))
-        except (OSError, IndexError, ValueError):
-            continue
-    return out
 
 
 def actor_pids(launcher: int) -> dict[str, int]:
     """The graph's processes by their titles (mas-launch, mas-tokenizer, ...)."""
     pids = {"launch": launcher}
-    for pid in _children(launcher):
+    for pid in children(launcher):
         try:
-            title = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode()
+            name = title(pid)
         except OSError:
-            continue
-        if title.startswith("mas-"):
-            pids[title[4:]] = pid
+            continue  # gone while we looked
+        if name.startswith("mas-"):
+            pids[name[4:]] = pid
     return pids
 
 
@@ -112,15 +101,12 @@ async def sweep(target: Target, prompts: dict[int, list[str]], args: argparse.Na
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m benchmarks.serving.crowd",
                                 description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="qwen3-small", help="built-in model name")
-    p.add_argument("--model-path", default="", help="a local mlx-lm model directory instead")
+    add_model_args(p)
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64, 128, 256])
     p.add_argument("--prompt-tokens", type=int, default=128)
     p.add_argument("--output-tokens", type=int, default=128)
     p.add_argument("--mlx-lm-max", type=int, default=128,
                    help="the highest level mlx_lm.server is driven at (0: not at all)")
-    p.add_argument("--blas", default="auto", help="runtime.blas for every party")
-    p.add_argument("--set", action="append", default=[], help="launch --set for our server")
     p.add_argument("--json", default="", help="write the results here")
     p.add_argument("--markdown", default="", help="update this file's crowd section")
     return p.parse_args(argv)
@@ -211,8 +197,7 @@ def render(report: dict[str, Any]) -> str:
 
 def write_markdown(path: Path, report: dict[str, Any]) -> None:
     """Replace the section for this model between its markers (added at the end if new)."""
-    begin, end = (BEGIN.replace("crowd", f"crowd {report['model']}"),
-                  END.replace("crowd", f"crowd {report['model']}"))
+    begin, end = (f"<!-- crowd {report['model']}:{edge} -->" for edge in ("begin", "end"))
     section = f"{begin}\n{render(report)}{end}"
     text = path.read_text() if path.is_file() else ""
     if begin in text and end in text:

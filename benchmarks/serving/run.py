@@ -34,6 +34,7 @@ from benchmarks.serving.load import PromptMaker, Target, closed_loop, one, pct, 
 from benchmarks.serving.report import write_markdown, write_plot
 from benchmarks.serving.servers import mlx_lm_server, ours, vllm_mlx_server
 from harness.graph import ROOT
+from launch.sizing import cpu_name
 
 PREFIX_TOKENS, PREFIX_HITS, LONG_PROMPTS = 2000, 6, 2
 
@@ -126,6 +127,14 @@ def bare_forward(model_dir: str, args: argparse.Namespace) -> dict[str, Any]:
         return json.loads(Path(f.name).read_text())
 
 
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    """The options resolve_model() and our server read: which model, and how we run it."""
+    p.add_argument("--model", default="qwen3-small", help="built-in model name")
+    p.add_argument("--model-path", default="", help="a local mlx-lm model directory instead")
+    p.add_argument("--blas", default="auto", help="runtime.blas for every party")
+    p.add_argument("--set", action="append", default=[], help="launch --set for our server")
+
+
 def resolve_model(args: argparse.Namespace) -> str:
     if args.model_path:
         return str(Path(args.model_path).expanduser())
@@ -135,29 +144,21 @@ def resolve_model(args: argparse.Namespace) -> str:
 
 
 def machine() -> dict[str, Any]:
-    try:
-        cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
-                   if line.startswith("model name"))
-    except (OSError, StopIteration):
-        cpu = platform.processor()
-    return {"cpu": cpu, "cores": os.cpu_count(), "system": platform.platform(),
+    return {"cpu": cpu_name(), "cores": os.cpu_count(), "system": platform.platform(),
             "python": platform.python_version()}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m benchmarks.serving",
                                 description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="qwen3-small", help="built-in model name")
-    p.add_argument("--model-path", default="", help="a local mlx-lm model directory instead")
+    add_model_args(p)
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     p.add_argument("--prompt-tokens", type=int, default=256)
     p.add_argument("--output-tokens", type=int, default=128)
     p.add_argument("--interference-streams", type=int, default=8)
-    p.add_argument("--blas", default="auto", help="runtime.blas for every party")
     p.add_argument("--skip-mlx-lm", action="store_true", help="only this server and bare")
     p.add_argument("--vllm-mlx", default="", metavar="PYTHON",
                    help="also vllm-mlx, run by this interpreter (a venv with vllm-mlx)")
-    p.add_argument("--set", action="append", default=[], help="launch --set for our server")
     p.add_argument("--out", default=str(ROOT / "docs" / "bench"))
     p.add_argument("--markdown", default=str(ROOT / "BENCHMARKS.md"))
     return p.parse_args(argv)
