@@ -63,9 +63,11 @@ class ServerConfig(Section):
     # When set, every HTTP route but /health needs "Authorization: Bearer KEY", and every ZMQ
     # request its api_key field (Client(api_key=...), mas-client --api-key).
     api_key: str = ""
-    # /health with no step finished in the last few seconds sends a one-token probe request
-    # through all four actors; 503 unless it is answered within this many seconds.
+    # /health with no step finished in the last health_recent_s seconds sends a one-token
+    # probe request through all four actors; 503 unless it is answered within
+    # health_timeout_s seconds.
     health_timeout_s: Annotated[float, Meta(gt=0)] = 20.0
+    health_recent_s: Annotated[float, Meta(ge=0)] = 5.0
     # ZMQ CURVE on the client endpoint (encrypted, and the server proven by its key): the
     # server's keypair as Z85 text, 40 characters each (zmq.curve_keypair()), or instead
     # curve_key_file, a secret certificate written by zmq.auth.create_certificates (the

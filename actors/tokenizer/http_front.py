@@ -18,8 +18,6 @@ from protocol import messages as m
 # Every HTTP request is answered through this one pseudo client identity: its req_ids are
 # unique (one per choice), so replies find their queue by req_id.
 HTTP_CLIENT = b"\x00http"
-# A step answered this recently proves every actor alive; older than that, /health probes.
-RECENT_S = 5.0
 # Probe req_ids: HTTP users cannot choose req_ids, so these never meet theirs.
 PROBE_PREFIX = "health-probe-"
 
@@ -52,6 +50,8 @@ class HttpFront:
         self.api_key = cfg.api_key
         self.limits = actor.shell.cfg.limits
         self.health_timeout_s = cfg.health_timeout_s
+        # A step answered this recently proves every actor alive; older, /health probes.
+        self.health_recent_s = cfg.health_recent_s
         self.probe: asyncio.Future | None = None  # shared by /health calls while it runs
         self.probes = 0
         self.queues: dict[str, asyncio.Queue] = {}
@@ -91,7 +91,7 @@ class HttpFront:
         as surely as a dead one."""
         if not self.front.accepting:
             return False
-        if time.monotonic() - self.front.last_progress < RECENT_S:
+        if time.monotonic() - self.front.last_progress < self.health_recent_s:
             return True
         if self.probe is None or self.probe.done():
             self.probe = asyncio.ensure_future(self._probe())

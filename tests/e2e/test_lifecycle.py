@@ -125,10 +125,10 @@ def _health(url: str) -> int:
 
 @pytest.mark.parametrize("victim", ["scheduler", "runner", "detokenizer"])
 def test_health_probes_the_whole_graph_and_a_wedged_actor_fails_it(tiny, victim):
-    g = Graph(tiny, "server.health_timeout_s=3")
+    g = Graph(tiny, "server.health_timeout_s=2", "server.health_recent_s=1")
     try:
         # Idle since start-up: /health must prove the path with a probe request.
-        time.sleep(5.5)
+        time.sleep(1.5)
         assert _health(g.http) == 200
         probes = [r for r in g.events("request.received")
                   if r["req_id"].startswith("health-probe-")]
@@ -136,7 +136,7 @@ def test_health_probes_the_whole_graph_and_a_wedged_actor_fails_it(tiny, victim)
         pid = g.actor_pids()[victim]
         os.kill(pid, signal.SIGSTOP)  # alive, but wedged
         try:
-            time.sleep(5.5)
+            time.sleep(1.5)
             assert _health(g.http) == 503
             assert g.wait_for("health.probe_timeout", timeout=5)
         finally:
