@@ -20,8 +20,12 @@ openai = pytest.importorskip("openai")
 pytest.importorskip("sglang_router")
 
 # Fail over within a couple of seconds (the defaults answer a few 500s first): every failure
-# counts, the health check runs each second, and a failed request is retried elsewhere.
+# counts, the health check runs each second, and a failed request is retried elsewhere. A
+# killed server refuses the check at once; a live one on a loaded machine may take longer than
+# the router's 5 s default to answer (an idle server's /health sends a probe through its
+# graph), which with one failure counting took a live server out of the fleet (503s).
 FAILOVER = ["--health-failure-threshold", "1", "--health-check-interval-secs", "1",
+            "--health-check-timeout-secs", "30",
             "--cb-failure-threshold", "1", "--retry-max-retries", "3"]
 SHARED = "You are a careful assistant. Here is a long shared context for every question. " * 8
 
@@ -58,6 +62,7 @@ def fleet(model_cache, tmp_path):
         stdout=log, stderr=subprocess.STDOUT)
     try:
         _wait_http(f"http://127.0.0.1:{port}/health", 60)
+        _wait_http(f"http://127.0.0.1:{port}/v1/models", 60)  # a worker is in the fleet
         yield servers, openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none",
                                      max_retries=0, timeout=60)
     finally:

@@ -81,16 +81,29 @@ CONVERSATIONS = {
 }
 
 
+@pytest.fixture(scope="module")
+def both_tokenizers(model_cache):
+    """(transformers' tokenizer, ours) per built-in, loaded once for the 30 cases below:
+    transformers takes seconds to build one from the BPE files."""
+    transformers = pytest.importorskip("transformers")
+    loaded = {}
+
+    def get(builtin: str):
+        if builtin not in loaded:
+            path = str(ensure_builtin(builtin, cache_dir=model_cache, progress=False))
+            loaded[builtin] = (transformers.AutoTokenizer.from_pretrained(path),
+                               load_tokenizer(path))
+        return loaded[builtin]
+    return get
+
+
 @pytest.mark.parametrize("builtin", ["qwen3-tiny", "qwen3_5-tiny"])
 @pytest.mark.parametrize("conversation", sorted(CONVERSATIONS))
 @pytest.mark.parametrize("extra", [{}, {"tools": TOOLS}, {"enable_thinking": False}])
-def test_jinja_rendering_equals_transformers(model_cache, builtin, conversation, extra):
-    transformers = pytest.importorskip("transformers")
-    path = ensure_builtin(builtin, cache_dir=model_cache, progress=False)
-    hf = transformers.AutoTokenizer.from_pretrained(str(path))
+def test_jinja_rendering_equals_transformers(both_tokenizers, builtin, conversation, extra):
+    hf, tok = both_tokenizers(builtin)
     messages = CONVERSATIONS[conversation]
     want = hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **extra)
-    tok = load_tokenizer(str(path))
     assert tok.template.render(messages, **extra) == want
     assert tok.apply_chat_template(messages, **extra) == hf.encode(want,
                                                                    add_special_tokens=False)

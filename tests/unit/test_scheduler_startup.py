@@ -11,6 +11,7 @@ from structlog.testing import capture_logs
 
 from models.builtin import ensure_builtin
 from models.info import read_model_info
+from models.tokenizer import load_decoder
 from actors.scheduler.actor import SchedulerActor
 from protocol import messages as m
 from protocol.config import config_from_dict
@@ -36,6 +37,7 @@ def make_actor(bursts=(), model=None, **config):
     actor.shell = SimpleNamespace(cfg=config_from_dict(config), model=model)
     actor.log = structlog.get_logger()
     actor.inbox = ScriptedInbox(bursts)
+    actor.decode = load_decoder(model.path) if model is not None else None
     return actor
 
 
