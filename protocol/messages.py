@@ -303,6 +303,9 @@ class ForwardBatch(Wire, tag=_tag("ForwardBatch")):
     score_rows: list[int] = []
     score_start: list[int] = []
     score_next: list[int] = []
+    # scheduler.prefill_first: the decoding rows sit this step out (none is in it) and the
+    # runner runs no decode forward; their caches and last tokens stay as they are.
+    hold_decode: bool = False
 
 
 class StepResult(Wire, tag=_tag("StepResult")):

@@ -102,8 +102,13 @@ class ModelRunner:
             self._release(batch.release_rows)
             self._admit(batch)
             decoding = [r for r, f in zip(batch.rows, batch.future) if f]
-            self.pools.park(self.rows.parking(decoding), self.rows)
-            self.rows.keep_decoding(decoding)
+            if batch.hold_decode:
+                # The decoding rows sit the step out: nothing parks, nothing runs for them.
+                if decoding:
+                    raise StepError(f"rows {decoding} decode in a step that holds decoding")
+            else:
+                self.pools.park(self.rows.parking(decoding), self.rows)
+                self.rows.keep_decoding(decoding)
             scores: list[PendingScores] = []
             parts = self._forward(batch, scores)
             return self._queue(batch, parts, started, scores)
@@ -169,6 +174,7 @@ class ModelRunner:
         by_row: dict[int, PendingScores] = {}
         parts: list[tuple[list[int], Pending]] = []
         joining: dict[int, int] = {}  # row -> its last prompt token, run in the decode forward
+        decodes = bool(self.rows.decode_rows) and not batch.hold_decode
         done: list[tuple[int, list[Any]]] = []  # prompts sampled on their own
         ids = unpack_ids(batch.input_ids)
         at = 0
@@ -182,11 +188,12 @@ class ModelRunner:
                 got = self._prefill_scored(row, cache, chunk, start, sample, *scored[row],
                                            by_row, done)
             else:
-                got = self._prefill(row, cache, kept, chunk, start, sample, joining, done)
+                got = self._prefill(row, cache, kept, chunk, start, sample, decodes, joining,
+                                    done)
             at += n
             if got is not None:
                 parts.append(([row], got))
-        if self.rows.decode_rows:
+        if decodes:
             parts.append((list(self.rows.decode_rows), self._decode(joining)))
         for row, cache in done:  # they decode from the next step on
             self.rows.wait_to_decode(row, cache)
@@ -284,11 +291,11 @@ class ModelRunner:
         mx.eval([c.state for c in cache])
 
     def _prefill(self, row: int, cache: list[Any], kept: list[mx.array] | None, ids: list[int],
-                 start: int, sample: bool, joining: dict[int, int],
+                 start: int, sample: bool, decodes: bool, joining: dict[int, int],
                  done: list[tuple[int, list[Any]]]) -> Pending | None:
-        """Run a prompt chunk. Where rows decode in this step, the last chunk's last token is
-        left to the decode forward (added to `joining`): its logits then come out of the
-        batched LM head, ~1 ms more per row there. With nothing decoding, the chunk runs whole
+        """Run a prompt chunk. Where rows decode in this step (`decodes`), the last chunk's
+        last token is left to the decode forward (added to `joining`): its logits then come
+        out of the batched LM head, ~1 ms more per row there. With nothing decoding, the chunk runs whole
         with the head on its last position only (one pass over the weights, not the two of
         a chunk and then a one-token forward)."""
         if not ids:
@@ -299,7 +306,7 @@ class ModelRunner:
             return None
         self.rows.end_prompt(row)
         # An empty cache (a one-token prompt, nothing cached) cannot join a batch either.
-        if not self.rows.decode_rows or (start == 0 and len(ids) == 1):
+        if not decodes or (start == 0 and len(ids) == 1):
             with head.last_only(), self._head([row]) as head_out:
                 out = self.model(mx.array(ids)[None], cache=cache)
             done.append((row, cache))  # joins the batch after this step's decode forward

@@ -49,7 +49,8 @@ class SchedulerActor:
                          snapshot_interval=cfg.cache.snapshot_interval,
                          max_queued=cfg.scheduler.max_queued_requests,
                          output_reserve=cfg.scheduler.output_reserve_tokens,
-                         decode=self.decode, head_input=layers.head_input)
+                         decode=self.decode, head_input=layers.head_input,
+                         prefill_first=cfg.scheduler.prefill_first)
 
     async def _await_layers(self) -> tuple[m.ModelLayers, list] | None:
         """The runner's ModelLayers, and every message that came before it (kept, in order,
@@ -124,6 +125,9 @@ class SchedulerActor:
                 following = self._next_batch()
                 follows = following is not None or len(self.core.futures) >= self.depth
                 await self.shell.send("runner", msgspec.structs.replace(batch, follows=follows))
+                if batch.hold_decode:
+                    self.log.debug("step.hold_decode", step=batch.step,
+                                   queued=len(self.core.queue))
                 out.merge(self.core.take())
                 logged = self._log_retractions(out, logged)
                 self._log_admissions(batch)

@@ -64,8 +64,9 @@ class BatchBuilder:
         self.admit_tokens.append(pack_ids(req.fill) if req.needs_history else b"")
 
     def build(self, step: int, ops: list[m.Op], released: list[int],
-              states: bool) -> m.ForwardBatch:
-        """`states`: the model keeps recurrent state, so each admitted row names its slot."""
+              states: bool, hold_decode: bool = False) -> m.ForwardBatch:
+        """`states`: the model keeps recurrent state, so each admitted row names its slot.
+        `hold_decode`: the decoding rows sit this step out (ForwardBatch.hold_decode)."""
         return m.ForwardBatch(
             step=step, rows=self.rows, input_lens=self.lens, start_pos=self.starts,
             future=self.future, sample=self.sample, input_ids=pack_ids(self.ids),
@@ -75,4 +76,4 @@ class BatchBuilder:
             admit_states=[r.state for r in self.admitted] if states else [],
             admit_generated=[len(r.output) for r in self.admitted],
             admit_tokens=self.admit_tokens, score_rows=self.score_rows,
-            score_start=self.score_start, score_next=self.score_next)
+            score_start=self.score_start, score_next=self.score_next, hold_decode=hold_decode)

@@ -33,7 +33,7 @@ class Scheduler:
                  max_queued: int = 1 << 16, output_reserve: int = 64, state_slots: int = 0,
                  prefix_cache: bool = False, snapshot_interval: int = 0,
                  decode: Callable[[list[int]], str] | None = None, share_groups: bool = True,
-                 head_input: bool = False):
+                 head_input: bool = False, prefill_first: bool = False):
         self.rows = RowPool(max_running)
         # share_groups False (a model whose layers the tree cannot restore, prefix_plan.py): the
         # choices of a group prefill on their own, and nothing goes through the tree.
@@ -46,6 +46,7 @@ class Scheduler:
         self.eos_ids = frozenset(eos_ids)
         self.max_queued = max_queued
         self.output_reserve = output_reserve
+        self.prefill_first = prefill_first
         self.queue: deque[Request] = deque()
         self.requests: dict[str, Request] = {}  # every request not yet released
         self.running: list[Request] = []  # holding a row, not finished
@@ -98,12 +99,9 @@ class Scheduler:
         for req in [r for r in self.running if r.inflight == 0 and (r.aborted or r.retracting)]:
             self._settle(req)
         step = BatchBuilder()
-        for req in self._decodable():
-            self.memory.cache_prompt(req, req.row)
-            req.slots += self.slots.alloc(1)
-            step.decode(req)
-            req.kv_len += 1
-            req.sampled += 1
+        hold = self._hold_decode()
+        if not hold:
+            self._decode_rows(step)
         budget = self.chunk
         for req in [r for r in self.running if r.prefilling and r.active]:
             # The chunks so far become a cached prefix others can share (hybrid: with a
@@ -116,13 +114,16 @@ class Scheduler:
                 break
             step.admit(req)
             budget -= self._prefill_chunk(req, budget, step)
+        if hold and not step:  # the queue's head could not be admitted after all: decode
+            hold = False
+            self._decode_rows(step)
 
         ops = self.memory.ops.take()
         if not step and not self._released_rows and not ops:
             return None
         self.step += 1
         batch = step.build(self.step, ops, self._released_rows,
-                           states=self.memory.states is not None)
+                           states=self.memory.states is not None, hold_decode=hold)
         self._released_rows = []
         self.futures.launch(batch, step.carried)
         return batch
@@ -208,6 +209,26 @@ class Scheduler:
             return False
         return any(r.group == req.group and r.active and r.tree_len < len(r.fill) - 1
                    for r in self.running)
+
+    def _decode_rows(self, step: BatchBuilder) -> None:
+        for req in self._decodable():
+            self.memory.cache_prompt(req, req.row)
+            req.slots += self.slots.alloc(1)
+            step.decode(req)
+            req.kv_len += 1
+            req.sampled += 1
+
+    def _hold_decode(self) -> bool:
+        """Prefill first: this step admits and prefills only, while more requests wait than
+        rows decode and a row is free for the queue's head. A burst's requests then get their
+        first tokens without each prefill step also paying for the decode rows admitted
+        before them; decoding resumes once the decoders are as many as those waiting, or the
+        rows are full, so it never waits on an endless stream."""
+        if not self.prefill_first or not self.queue or not self.rows.available:
+            return False
+        decoders = sum(1 for r in self.running if r.active and not r.prefilling
+                       and self.futures.has_future(r) and self._wants_more(r))
+        return 0 < decoders < len(self.queue)
 
     def _decodable(self) -> list[Request]:
         """Running requests that get a decode row in the next step, after retracting the ones

@@ -11,6 +11,7 @@ import urllib.request
 import numpy as np
 import pytest
 
+from harness.graph import Graph
 from protocol.client import AsyncClient
 from models.builtin import ensure_builtin
 from tests.e2e.oracle import Oracle
@@ -56,6 +57,21 @@ def test_64_concurrent_requests_of_different_lengths_equal_mlx_lm(graph, oracle)
     assert sized["why"].startswith("auto:") and sized["max_running_requests"] >= 8
     rows = {r["row"] for r in graph.events("request.admitted")}
     assert len(rows) >= min(CLIENTS, sized["max_running_requests"]) // 2
+
+def test_prefill_first_holds_the_decoders_for_the_burst_and_keeps_every_token(oracle):
+    """scheduler.prefill_first: the same 64 requests at once through real processes; while
+    more wait than decode, steps only prefill (step.hold_decode), and every request's tokens
+    are still mlx-lm's."""
+    requests = _requests()
+    g = Graph("model.builtin=qwen3-tiny", "scheduler.prefill_first=true", "log.level=debug")
+    try:
+        got = asyncio.run(_all_at_once(g.address, requests))
+        for (ids, n), reply in zip(requests, got):
+            oracle.check(ids, reply.token_ids, oracle.greedy(ids, n))
+        assert g.events("step.hold_decode")
+    finally:
+        assert g.stop() == 0
+
 
 def test_the_ready_line_runner_log_and_metrics_say_how_many_run_and_why(graph):
     sized = graph.events("launch.sizing")[0]

@@ -36,7 +36,7 @@ def setup(request, model_cache):
 
 
 def run(path, info, arrivals, max_rows=3, depth=1, kv_slots=1 << 16, chunk=16, reserve=64,
-        prefix=False, head_input=True, runtime=RuntimeConfig()):
+        prefix=False, head_input=True, runtime=RuntimeConfig(), prefill_first=False):
     """arrivals: step -> [(rid, ids, max_new)]. depth 2 plays the overlap loop: step N+1 is
     built before step N's result is processed. head_input: where the runner supports it (a
     hybrid model), as the actors agree on it (ModelLayers.head_input). Returns (rid -> tokens,
@@ -49,7 +49,7 @@ def run(path, info, arrivals, max_rows=3, depth=1, kv_slots=1 << 16, chunk=16, r
                       context_length=info.context_length, eos_ids=info.eos_ids,
                       output_reserve=reserve, prefix_cache=plan.prefix,
                       share_groups=plan.share_groups, state_slots=states,
-                      head_input=head_input and runner.head_input)
+                      head_input=head_input and runner.head_input, prefill_first=prefill_first)
     assert runner.head_input == bool(info.state_layers)  # qwen3_5's head: nothing after it
     tokens, sched.finished, sched.batches = drive(sched, runner, arrivals, depth, ticks=2000)
     return tokens, sched
@@ -76,6 +76,26 @@ def test_staggered_chunked_batch_matches_mlx_lm(setup, depth):
     arrivals = _arrivals(oracle)
     got, _ = run(path, info, arrivals, depth=depth)
     _check_all(oracle, arrivals, got)
+
+
+@pytest.mark.parametrize("depth", [1, 2], ids=["plain", "overlap"])
+def test_a_burst_prefills_first_and_the_held_rows_go_on_as_mlx_lm(setup, depth):
+    """scheduler.prefill_first: two rows decode, then five requests arrive at once: while
+    more wait than decode, steps only prefill (the runner runs no decode forward, the held
+    rows' caches and last tokens stay), then everyone decodes; every request's tokens are
+    mlx-lm's, the held ones' too."""
+    path, oracle, info = setup
+    ids = [oracle.tokenizer.encode(p) for p in PROMPTS]
+    arrivals = {0: [("a", ids[0], 14), ("b", ids[2], 12)],
+                3: [(rid, ids[k % len(ids)], 6) for k, rid in enumerate("cdefg", start=1)]}
+    got, sched = run(path, info, arrivals, max_rows=7, depth=depth, prefill_first=True)
+    _check_all(oracle, arrivals, got)
+    held = [b for b in sched.batches if b.hold_decode]
+    assert held, "no step held the decoding rows"
+    assert all(not any(b.future) for b in held)
+    # Held steps come while the burst is admitted; decoding resumes after them.
+    last_held = max(b.step for b in held)
+    assert any(any(b.future) for b in sched.batches if b.step > last_held)
 
 
 def test_plain_greedy_steps_take_the_greedy_head(setup, monkeypatch):

@@ -291,3 +291,57 @@ def test_a_prompt_that_can_never_fit_is_refused_at_once():
     out = s.add("big", list(range(14)), params(10))
     assert out.finished[0].code == 400 and "KV slots" in out.finished[0].message
     assert s.add("ok", list(range(12)), params(10)).finished == []
+
+
+# -- prefill first (scheduler.prefill_first) ------------------------------------------------
+
+
+def _burst(prefill_first, max_running=8, kv_slots=4096, burst=6, prompt=(1, 2, 3, 4)):
+    """One request decoding, then `burst` more at once, one prompt per step (chunk 4)."""
+    s = make_scheduler(max_running=max_running, chunk=4, kv_slots=kv_slots,
+                       prefill_first=prefill_first)
+    d = Driver(s)
+    d.collect(s.add("a", [1, 2], params(12)))
+    d.step(); d.step()
+    for i in range(burst):
+        d.collect(s.add(f"r{i}", list(prompt), params(3)))
+    return s, d
+
+
+def test_a_burst_prefills_first_until_the_decoders_are_as_many_as_those_waiting():
+    s, d = _burst(prefill_first=True)
+    holds = [(d.step().hold_decode, len(s.queue)) for _ in range(5)]
+    # 1 decoder and 6 waiting, 2 and 5, 3 and 4: held; 4 decoders and 3 waiting: decode.
+    assert holds == [(True, 5), (True, 4), (True, 3), (False, 2), (False, 1)]
+    for batch in d.batches[2:5]:
+        assert batch.hold_decode and not any(batch.future) and batch.admit_rows
+    assert sum(d.batches[5].future) == 4
+    d.run()
+    assert {rid: f.completion_tokens for rid, f in d.finished.items()} == {
+        "a": 12, **{f"r{i}": 3 for i in range(6)}}
+    assert d.tokens["a"] == [1000 + i for i in range(12)]  # no token lost or doubled
+
+
+def test_prefill_first_off_decodes_in_every_step():
+    s, d = _burst(prefill_first=False)
+    d.run()
+    assert not any(b.hold_decode for b in d.batches)
+    assert all(any(b.future) for b in d.batches[2:7])
+    assert len(d.finished) == 7
+
+
+def test_full_rows_end_the_hold():
+    s, d = _burst(prefill_first=True, max_running=3)
+    assert [d.step().hold_decode for _ in range(3)] == [True, True, False]
+    d.run()
+    assert len(d.finished) == 7
+
+
+def test_a_head_that_cannot_be_admitted_does_not_hold_the_decoders():
+    # 'a' holds a few of 14 KV slots: a 10-token prompt and its output reserve do not fit
+    # until it ends.
+    s, d = _burst(prefill_first=True, kv_slots=14, burst=3, prompt=range(10))
+    batch = d.step()
+    assert not batch.hold_decode and batch.future == [True] and len(s.queue) == 3
+    d.run()
+    assert len(d.finished) == 4

@@ -67,6 +67,7 @@ class FakeRunner:
             self.kept_head[slot] = self.head[row]
 
     def step(self, batch: m.ForwardBatch) -> m.StepResult:
+        assert not (batch.hold_decode and any(batch.future)), "a row decodes in a held step"
         for op in batch.ops:
             if op.kind == m.OpKind.CLEAR:
                 self.states[op.dst] = 0
@@ -180,15 +181,15 @@ ops = st.lists(st.one_of(arrive, arrive, choices,
 @given(ops=ops, rows=st.integers(1, 4), depth=st.integers(1, 2), chunk=st.integers(1, 16),
        kv=st.integers(32, 120), reserve=st.integers(0, 4), context=st.integers(20, 40),
        prefix=st.booleans(), hybrid=st.booleans(), spare_states=st.integers(0, 6),
-       interval=st.integers(0, 6), head_input=st.booleans())
+       interval=st.integers(0, 6), head_input=st.booleans(), prefill_first=st.booleans())
 def test_any_sequence_keeps_the_invariants_and_answers_everyone_once(
         ops, rows, depth, chunk, kv, reserve, context, prefix, hybrid, spare_states, interval,
-        head_input):
+        head_input, prefill_first):
     s = Scheduler(max_running=rows, context_length=context, eos_ids=[EOS],
                   chunked_prefill_size=chunk, kv_slots=kv, max_queued=1000,
                   output_reserve=reserve, prefix_cache=prefix,
                   state_slots=rows + spare_states if hybrid else 0, snapshot_interval=interval,
-                  head_input=head_input)
+                  head_input=head_input, prefill_first=prefill_first)
     runner, results = FakeRunner(hybrid), deque()
     prompts, params, emitted, finished = {}, {}, {}, {}
 
