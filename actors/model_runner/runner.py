@@ -295,9 +295,9 @@ class ModelRunner:
                  done: list[tuple[int, list[Any]]]) -> Pending | None:
         """Run a prompt chunk. Where rows decode in this step (`decodes`), the last chunk's
         last token is left to the decode forward (added to `joining`): its logits then come
-        out of the batched LM head, ~1 ms more per row there. With nothing decoding, the chunk runs whole
-        with the head on its last position only (one pass over the weights, not the two of
-        a chunk and then a one-token forward)."""
+        out of the batched LM head, ~1 ms more per row there. With nothing decoding, the chunk
+        runs whole with the head on its last position only (one pass over the weights, not
+        the two of a chunk and then a one-token forward)."""
         if not ids:
             return self._sample_kept(row, cache, kept, done)
         if not sample:
