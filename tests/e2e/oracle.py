@@ -2,17 +2,43 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
 import mlx.core as mx
-from mlx_lm import load, stream_generate
+from mlx_lm import stream_generate
+from mlx_lm.utils import load_model, load_tokenizer
 
 NEAR_TIE = 1e-4
+
+# mlx_lm.load's tokenizer, one per distinct set of tokenizer files, EOS ids and model type
+# for the whole test run: transformers takes ~1.6 s to build a 151k-rank BPE tokenizer, far
+# more than loading a test model, and the suite builds dozens of oracles over a few bases.
+_tokenizers: dict[str, Any] = {}
+
+
+def _tokenizer(path: Path, config: dict[str, Any]) -> Any:
+    """What mlx_lm.load(path) pairs with the model: load_tokenizer with the config's EOS."""
+    h = hashlib.sha256(json.dumps([config.get("model_type"), config.get("eos_token_id")],
+                                  sort_keys=True).encode())
+    for f in sorted(path.iterdir()):  # what load_tokenizer reads (weights and config aside)
+        if (f.is_file() and f.name not in ("config.json", "model.safetensors.index.json")
+                and f.suffix in (".json", ".jsonl", ".jinja", ".txt", ".tiktoken", ".model")):
+            h.update(f.name.encode() + b"\0" + f.read_bytes())
+    key = h.hexdigest()
+    if key not in _tokenizers:
+        _tokenizers[key] = load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
+    return _tokenizers[key]
 
 
 class Oracle:
     def __init__(self, path: str, upcast: bool = False):
         """upcast: the checkpoint's floating parameters in float32 (scales of quantized ones
         too), the oracle of runtime.activations = "float32"."""
-        self.model, self.tokenizer = load(path)
+        self.model, config = load_model(Path(path))
+        self.tokenizer = _tokenizer(Path(path), config)
         if upcast:
             self.model.set_dtype(mx.float32)
 
