@@ -226,15 +226,12 @@ class Scheduler:
         rows are full, so it never waits on an endless stream."""
         if not self.prefill_first or not self.queue or not self.rows.available:
             return False
-        decoders = sum(1 for r in self.running if r.active and not r.prefilling
-                       and self.futures.has_future(r) and self._wants_more(r))
-        return 0 < decoders < len(self.queue)
+        return 0 < sum(map(self._would_decode, self.running)) < len(self.queue)
 
     def _decodable(self) -> list[Request]:
         """Running requests that get a decode row in the next step, after retracting the ones
         with least progress until every remaining one has a free slot for its next token."""
-        want = [r for r in self.running if r.active and not r.prefilling
-                and self.futures.has_future(r) and self._wants_more(r)]
+        want = [r for r in self.running if self._would_decode(r)]
         while not self.memory.make_room(len(want)):
             victim = pick_victim(self.running)
             if victim in want:
@@ -249,6 +246,11 @@ class Scheduler:
 
     def _reserve(self, left: int) -> int:
         return max(0, min(left, self.output_reserve))
+
+    def _would_decode(self, req: Request) -> bool:
+        """Running, past its prompt, its last sample a future input, and short of its limits."""
+        return (req.active and not req.prefilling and self.futures.has_future(req)
+                and self._wants_more(req))
 
     def _wants_more(self, req: Request) -> bool:
         return req.sampled < req.params.max_new_tokens and req.kv_len < self.context_length

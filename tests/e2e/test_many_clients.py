@@ -44,12 +44,24 @@ async def _all_at_once(address: str, requests) -> list:
             await c.close()
 
 
-def test_64_concurrent_requests_of_different_lengths_equal_mlx_lm(graph, oracle):
+@pytest.fixture(scope="module")
+def expected(oracle) -> list[list[int]]:
+    """mlx-lm's greedy tokens for _requests(), computed once for both graphs below."""
+    return [oracle.greedy(ids, n) for ids, n in _requests()]
+
+
+def _served_equal_mlx_lm(address: str, oracle, expected) -> list:
+    """_requests() sent at once; every reply's tokens checked against mlx-lm's."""
     requests = _requests()
-    got = asyncio.run(_all_at_once(graph.address, requests))
-    for (ids, n), reply in zip(requests, got):
+    got = asyncio.run(_all_at_once(address, requests))
+    for (ids, _), reply, ref in zip(requests, got, expected):
         assert reply.prompt_tokens == len(ids)
-        oracle.check(ids, reply.token_ids, oracle.greedy(ids, n))
+        oracle.check(ids, reply.token_ids, ref)
+    return got
+
+
+def test_64_concurrent_requests_of_different_lengths_equal_mlx_lm(graph, oracle, expected):
+    got = _served_equal_mlx_lm(graph.address, oracle, expected)
     assert len({tuple(r.token_ids) for r in got}) > CLIENTS // 2  # varied continuations
     # The batch was sized for them (auto): many rows ran at once
     # (short requests end before the last prompts are in, so their rows are reused).
@@ -58,16 +70,15 @@ def test_64_concurrent_requests_of_different_lengths_equal_mlx_lm(graph, oracle)
     rows = {r["row"] for r in graph.events("request.admitted")}
     assert len(rows) >= min(CLIENTS, sized["max_running_requests"]) // 2
 
-def test_prefill_first_holds_the_decoders_for_the_burst_and_keeps_every_token(oracle):
+
+def test_prefill_first_holds_the_decoders_for_the_burst_and_keeps_every_token(oracle,
+                                                                               expected):
     """scheduler.prefill_first: the same 64 requests at once through real processes; while
     more wait than decode, steps only prefill (step.hold_decode), and every request's tokens
     are still mlx-lm's."""
-    requests = _requests()
     g = Graph("model.builtin=qwen3-tiny", "scheduler.prefill_first=true", "log.level=debug")
     try:
-        got = asyncio.run(_all_at_once(g.address, requests))
-        for (ids, n), reply in zip(requests, got):
-            oracle.check(ids, reply.token_ids, oracle.greedy(ids, n))
+        _served_equal_mlx_lm(g.address, oracle, expected)
         assert g.events("step.hold_decode")
     finally:
         assert g.stop() == 0

@@ -85,12 +85,11 @@ def test_a_burst_prefills_first_and_the_held_rows_go_on_as_mlx_lm(setup):
     mlx-lm's, the held ones' too. With overlap: a held step is built while the step before
     it, which decodes those rows, is still in flight (the scheduler's side of both depths is
     in tests/unit/test_scheduler_properties.py)."""
-    depth = 2
     path, oracle, info = setup
     ids = [oracle.tokenizer.encode(p) for p in PROMPTS]
     arrivals = {0: [("a", ids[0], 14), ("b", ids[2], 12)],
                 3: [(rid, ids[k % len(ids)], 6) for k, rid in enumerate("cdefg", start=1)]}
-    got, sched = run(path, info, arrivals, max_rows=7, depth=depth, prefill_first=True)
+    got, sched = run(path, info, arrivals, max_rows=7, depth=2, prefill_first=True)
     _check_all(oracle, arrivals, got)
     held = [b for b in sched.batches if b.hold_decode]
     assert held, "no step held the decoding rows"
