@@ -220,9 +220,12 @@ def _which(reply: m.ErrorReply, index: dict[str, int], opts: dict[str, Any]) -> 
 
 async def _watch_disconnect(request: Request, bridge: Bridge,
                             reqs: list[m.GenerateRequest]) -> None:
-    """A client that goes away mid-request: abort, so its row and slots are freed."""
-    while not await request.is_disconnected():
-        await asyncio.sleep(0.2)
+    """A client that goes away mid-request: abort, so its row and slots are freed. The body
+    is read, so the next ASGI message is http.disconnect: waiting on it costs nothing while
+    the request queues. (Polling every 0.2 s did: with 256 clients queued for seconds, the
+    tokenizer's CPU per output token doubled.)"""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
     for r in reqs:
         bridge.abort(r.req_id)
 
