@@ -13,10 +13,11 @@ import msgspec
 import structlog
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
 from actors.tokenizer.chat_output import ChatOutput, finish_reason
+from actors.tokenizer.event_stream import EventStream, raw_send_app
 from actors.tokenizer.intake import RequestError
 from actors.tokenizer.openai_format import (error_body, parse_chat, parse_completion,
                                             parse_tokenize)
@@ -46,7 +47,7 @@ class Bridge(Protocol):
     def tokenize(self, req: m.GenerateRequest) -> list[int]: ...
 
 
-def build_app(bridge: Bridge) -> Starlette:
+def build_app(bridge: Bridge) -> Any:
     def guarded(handler: Callable) -> Callable:
         async def route(request: Request) -> Response:
             if bridge.api_key and request.headers.get("authorization") != f"Bearer {bridge.api_key}":
@@ -109,7 +110,7 @@ def build_app(bridge: Bridge) -> Starlette:
         return JSONResponse({"count": len(ids), "max_model_len":
                              bridge.context_length, "tokens": ids})
 
-    return Starlette(routes=[
+    return raw_send_app(Starlette(routes=[
         Route("/v1/completions", guarded(completions), methods=["POST"]),
         Route("/v1/chat/completions", guarded(chat), methods=["POST"]),
         Route("/v1/models", guarded(models), methods=["GET"]),
@@ -118,7 +119,7 @@ def build_app(bridge: Bridge) -> Starlette:
         Route("/get_server_info", guarded(server_info), methods=["GET"]),
         Route("/tokenize", guarded(tokenize), methods=["POST"]),
         Route("/health", health, methods=["GET"]),
-    ])
+    ]))
 
 
 async def _body(request: Request, limits: LimitsConfig) -> bytes:
@@ -155,7 +156,7 @@ async def _serve(bridge: Bridge, request: Request, reqs: list[m.GenerateRequest]
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
     created = int(time.time())
     # Until the reply starts, a client that leaves (during a long prefill, say) is found by
-    # polling; once a stream runs, StreamingResponse notices it and ends the body.
+    # waiting on the disconnect message; once a stream runs, EventStream does.
     watch = asyncio.ensure_future(_watch_disconnect(request, bridge, reqs))
     if opts["stream"]:
         try:
@@ -168,7 +169,8 @@ async def _serve(bridge: Bridge, request: Request, reqs: list[m.GenerateRequest]
                 bridge.abort(r.req_id)
             raise RequestError(_which(first, index, opts), first.code, logged=True)
         body = _stream(bridge, reqs, index, queue, first, opts, chat, rid, created)
-        return StreamingResponse(body, media_type="text/event-stream")
+        return EventStream(body, bridge.internal_error,
+                           lambda message: _sse(error_body(500, message, None)))
     results: dict[int, m.Finished] = {}
     try:
         while len(results) < len(reqs):
@@ -232,7 +234,7 @@ async def _watch_disconnect(request: Request, bridge: Bridge,
 
 async def _stream(bridge: Bridge, reqs: list[m.GenerateRequest], index: dict[str, int],
                   queue: asyncio.Queue, first: Any, opts: dict[str, Any], chat: bool, rid: str,
-                  created: int) -> AsyncIterator[str]:
+                  created: int) -> AsyncIterator[bytes]:
     model = bridge.model_name
     score_only = opts.get("score_only", False)
     finals: dict[int, m.Finished] = {}
@@ -242,7 +244,7 @@ async def _stream(bridge: Bridge, reqs: list[m.GenerateRequest], index: dict[str
                for k in range(len(reqs))} if chat else {}
 
     def chunks(k: int, text: str, reason: str | None, lp: Any,
-               prompt: dict[str, Any] | None = None) -> list[str]:
+               prompt: dict[str, Any] | None = None) -> list[bytes]:
         if not chat:
             return [_sse(completion_chunk(rid, created, model, k, text, reason, lp, opts,
                                           prompt))]
@@ -258,7 +260,7 @@ async def _stream(bridge: Bridge, reqs: list[m.GenerateRequest], index: dict[str
 
     # Events already here go out as one write: a request's last token, its finish, its usage
     # and [DONE] usually arrive together, and each write is a packet the client parses alone.
-    parts: list[str] = []
+    parts: list[bytes] = []
     try:
         if chat:
             for k in range(len(reqs)):
@@ -285,7 +287,7 @@ async def _stream(bridge: Bridge, reqs: list[m.GenerateRequest], index: dict[str
                 if len(finals) == len(reqs):
                     break
             if parts and queue.empty():
-                yield "".join(parts)
+                yield b"".join(parts)
                 parts = []
             reply = await queue.get()
         if opts.get("include_usage") and len(finals) == len(reqs):
@@ -293,13 +295,13 @@ async def _stream(bridge: Bridge, reqs: list[m.GenerateRequest], index: dict[str
                                else "text_completion", "created": created, "model": model,
                                "choices": [],
                                "usage": _usage([finals[k] for k in sorted(finals)], opts)}))
-        parts.append("data: [DONE]\n\n")
-        yield "".join(parts)
+        parts.append(b"data: [DONE]\n\n")
+        yield b"".join(parts)
     finally:
         for k, r in enumerate(reqs):
             if k not in finals:
                 bridge.abort(r.req_id)  # the client went away mid-stream
 
 
-def _sse(obj: Any) -> str:
-    return "data: " + msgspec.json.encode(obj).decode() + "\n\n"
+def _sse(obj: Any) -> bytes:
+    return b"data: " + msgspec.json.encode(obj) + b"\n\n"

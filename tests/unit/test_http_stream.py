@@ -28,7 +28,7 @@ def _finished(req_id: str, tokens: list[int]) -> m.Finished:
                       prompt_tokens=3, completion_tokens=len(tokens))
 
 
-async def _writes(replies_now: list, replies_later: list) -> tuple[list[str], Bridge]:
+async def _writes(replies_now: list, replies_later: list) -> tuple[list[bytes], Bridge]:
     queue: asyncio.Queue = asyncio.Queue()
     for r in replies_now[1:]:
         queue.put_nowait(r)
@@ -44,7 +44,8 @@ async def _writes(replies_now: list, replies_later: list) -> tuple[list[str], Br
     return writes, bridge
 
 
-def _events(write: str) -> list:
+def _events(write: bytes) -> list:
+    write = write.decode()
     assert write.endswith("\n\n")
     return [e[len("data: "):] for e in write.split("\n\n") if e]
 
