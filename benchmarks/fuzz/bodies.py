@@ -70,9 +70,11 @@ class Bodies(Values):
         return {name: v for name, v in out.items() if name in known}  # one body's fields
 
     def prompt(self) -> tuple:
-        ok = st.one_of(self.text, st.builds(lambda t: [t], self.text), self.ids)
+        # Several prompts (strings or token-id lists) in one body are served since issue N.
+        ok = st.one_of(self.text, st.builds(lambda t: [t], self.text), self.ids,
+                       st.sampled_from([["a", "b"], [[1, 2]]]))
         odd = st.one_of(
-            _v(st.sampled_from([[], "", ["a", "b"], [[1, 2]], [1.5], [True], None]), BAD,
+            _v(st.sampled_from([[], "", [1.5], [True], None]), BAD,
                "not a prompt"),
             _v(st.lists(st.sampled_from([-1, self.vocab, 2**40]), min_size=1, max_size=2), BAD,
                "id outside vocab"),
