@@ -9,7 +9,7 @@ before Starlette runs, and watches the disconnect with one plain task."""
 from __future__ import annotations
 
 import asyncio
-from typing import AsyncIterator, Callable
+from typing import AsyncIterator
 
 import structlog
 from starlette.responses import Response
@@ -29,14 +29,13 @@ def raw_send_app(app: ASGIApp) -> ASGIApp:
 
 class EventStream(Response):
     """text/event-stream from an async iterator of encoded events. When the client goes, the
-    iterator is cancelled (its `finally` frees what the request held); when the iterator
-    fails, the stream ends with an error event and `on_error` counts it."""
+    iterator is cancelled (its `finally` frees what the request held). The iterator turns its
+    own failures into an error event (http._stream); a failure here is the transport's."""
 
     media_type = "text/event-stream"
 
-    def __init__(self, events: AsyncIterator[bytes], on_error: Callable[[], None],
-                 error_event: Callable[[str], bytes]):
-        self.events, self.on_error, self.error_event = events, on_error, error_event
+    def __init__(self, events: AsyncIterator[bytes]):
+        self.events = events
         self.status_code = 200
         self.background = None
         self.init_headers(None)
@@ -45,31 +44,28 @@ class EventStream(Response):
         send = scope.get(RAW_SEND, send)
         await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
         writer = asyncio.ensure_future(self._write(send))
-        gone = asyncio.ensure_future(_disconnect(receive))
+        gone = asyncio.ensure_future(disconnected(receive))
         try:
             await asyncio.wait((writer, gone), return_when=asyncio.FIRST_COMPLETED)
         finally:
             for task in (writer, gone):
                 task.cancel()
-            await asyncio.gather(writer, gone, return_exceptions=True)
+            failed, _ = await asyncio.gather(writer, gone, return_exceptions=True)
             # Cancelled between two events (in `send`), the iterator would run its `finally`
             # only when collected.
             if (close := getattr(self.events, "aclose", None)) is not None:
                 await close()
+        if isinstance(failed, Exception):
+            structlog.get_logger().warning("http.stream_failed", error=repr(failed)[:300])
 
     async def _write(self, send: Send) -> None:
-        try:
-            async for event in self.events:
-                await send({"type": "http.response.body", "body": event, "more_body": True})
-        except Exception as e:  # a bug: this stream ends with an error event, the server serves on
-            self.on_error()
-            structlog.get_logger().warning("http.stream_failed", error=repr(e)[:300],
-                                           exc_info=True)
-            await send({"type": "http.response.body", "more_body": True,
-                        "body": self.error_event(f"internal error: {type(e).__name__}")})
+        async for event in self.events:
+            await send({"type": "http.response.body", "body": event, "more_body": True})
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
-async def _disconnect(receive: Receive) -> None:
+async def disconnected(receive: Receive) -> None:
+    """Returns when the client has gone: once a request's body is read, the next ASGI message
+    is http.disconnect, so waiting for it costs nothing (polling for it did)."""
     while (await receive())["type"] != "http.disconnect":
         pass

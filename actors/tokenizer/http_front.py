@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import importlib.util
 import socket
 import time
 from typing import Any
@@ -19,8 +18,6 @@ from protocol import messages as m
 # Every HTTP request is answered through this one pseudo client identity: its req_ids are
 # unique (one per choice), so replies find their queue by req_id.
 HTTP_CLIENT = b"\x00http"
-# uvicorn's httptools protocol where installed (a dependency), else its pure-Python h11 one.
-HTTP_IMPL = "httptools" if importlib.util.find_spec("httptools") else "h11"
 # Probe req_ids: HTTP users cannot choose req_ids, so these never meet theirs.
 PROBE_PREFIX = "health-probe-"
 
@@ -61,8 +58,7 @@ class HttpFront:
         self.sock = listening_socket(cfg.host, cfg.http_port)
         self.address = f"http://{cfg.host}:{self.sock.getsockname()[1]}"
         config = uvicorn.Config(build_app(self), log_config=None, access_log=False,
-                                lifespan="off", timeout_graceful_shutdown=1,
-                                http=HTTP_IMPL)
+                                lifespan="off", timeout_graceful_shutdown=1)
         self.server = _Server(config)
 
     async def serve(self) -> None:

@@ -26,7 +26,7 @@ def _app(freed: list, more: asyncio.Event, events_before_wait: int):
             freed.append("done")
 
     async def route(request):
-        return EventStream(events(), lambda: None, lambda msg: msg.encode())
+        return EventStream(events())
 
     return raw_send_app(Starlette(routes=[Route("/s", route, methods=["POST"])]))
 

@@ -1,5 +1,5 @@
 """The SSE body of a streamed completion: replies already queued go out as one write; a reply
-still to come ends the write before it."""
+still to come ends the write before it; a bug ends the stream with an error event."""
 
 from __future__ import annotations
 
@@ -18,6 +18,10 @@ class Bridge:
 
     def __init__(self):
         self.aborted: list[str] = []
+        self.errors = 0
+
+    def internal_error(self) -> None:
+        self.errors += 1
 
     def abort(self, req_id: str) -> None:
         self.aborted.append(req_id)
@@ -58,7 +62,7 @@ def test_a_last_token_its_finish_usage_and_done_that_arrive_together_are_one_wri
     assert json.loads(token)["choices"][0]["text"] == "hi"
     assert json.loads(finish)["choices"][0]["finish_reason"] == "length"
     assert json.loads(usage)["usage"]["completion_tokens"] == 1
-    assert done == "[DONE]" and bridge.aborted == []
+    assert done == "[DONE]" and bridge.aborted == [] and bridge.errors == 0
 
 
 def test_a_token_is_written_before_a_reply_that_has_not_arrived():
@@ -69,3 +73,15 @@ def test_a_token_is_written_before_a_reply_that_has_not_arrived():
     assert [len(_events(w)) for w in writes] == [1, 1, 3]
     assert json.loads(_events(writes[0])[0])["choices"][0]["text"] == "x"
     assert bridge.aborted == []
+
+
+def test_a_bug_while_streaming_ends_the_stream_with_an_error_event_and_is_counted():
+    # A reply naming a request this stream does not serve: the lookup fails (a bug's shape).
+    writes, bridge = asyncio.run(_writes(
+        [m.Delta(req_id="a", text="ok", token_ids=[7])],
+        [m.Delta(req_id="zz", text="x", token_ids=[8])]))
+    assert json.loads(_events(writes[0])[0])["choices"][0]["text"] == "ok"
+    (error,) = _events(writes[-1])
+    assert json.loads(error)["error"]["message"] == "internal error: KeyError"
+    assert bridge.errors == 1
+    assert bridge.aborted == ["a"]  # the request is freed
