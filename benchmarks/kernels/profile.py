@@ -5,11 +5,13 @@
 
 For each format and batch: the whole decode step of the patched model (the runner's CPU layer
 installed, its decode batch of `batch` rows of `--context` tokens, in the runner's step
-context), then its parts timed alone with the same shapes and the same patched modules: every
-linear layer's product (summed over the layers), the LM head, the attention core
-(softmax(QK^T)V over the batch's KV: the decode attention kernel where it is built), sampling (greedy, the runner's
-sampler), and building the step's graph in Python. "rest" is the step minus the products
-and the attention core (norms, RoPE, residuals, KV writes); sampling follows the step, and the
+context), then its parts with the same shapes and the same patched modules, each part one
+graph as in the step (its nodes dispatched together, one evaluation): every linear layer's
+product, the LM head, the attention core of every layer (softmax(QK^T)V over the batch's KV,
+through the runner's dispatch: the decode attention kernel where it is built), sampling
+(greedy, the runner's sampler), and building the step's graph in Python. "rest" is the step
+minus the products, the head and the attention core (norms, RoPE, residuals, KV writes, the
+embedding, and MLX's few microseconds per graph node); sampling follows the step, and the
 graph build overlaps the previous step in the runner's pipeline (unless it waits for values:
 fast math's NumPy calls evaluate the graph up to them). Rooflines: the bytes each part
 reads at the machine's memory bandwidth (a NumPy sum, measured here), and the float32 GEMM
@@ -100,13 +102,16 @@ def profile(model, installed, batch: int, context: int, repeat: int,
         mx.eval(out)
     parts["graph build (Python)"] = 1000 * statistics.median(build)
     layers = linears(model)
-    hidden = {}
-    total = 0.0
+    hidden, inputs = {}, []
     for _, m in layers:
         k = m.weight.shape[1] * (32 // m.bits if hasattr(m, "bits") else 1)
-        x = hidden.setdefault(k, mx.random.normal((batch, 1, k)))
-        total += median_ms(lambda m=m, x=x: m(x), repeat)
-    parts["linear layers"] = total
+        inputs.append((m, hidden.setdefault(k, mx.random.normal((batch, 1, k)))))
+
+    def products():  # every layer's product in one graph, as in the step (one eval, not 56)
+        with installed.steps():
+            return [m(x) for m, x in inputs]
+
+    parts["linear layers"] = median_ms(products, repeat)
     head, head_module = head_of(model)
     x = mx.random.normal((batch, 1, model.args.hidden_size))
     parts["LM head"] = median_ms(lambda: head(x), repeat)
@@ -127,13 +132,13 @@ def profile(model, installed, batch: int, context: int, repeat: int,
         q = mx.random.normal((batch, heads, 1, kv.keys.shape[-1]), dtype=kv.keys.dtype)
         from actors.model_runner.cpu import attention
 
-        def core():  # the runner's dispatch: the kernel where it fits, else the pages gathered
-            with installed.steps():  # for MLX's attention, as update_and_fetch gives them
-                return attention.attention(q, kv.gather(kv.keys, positions.table),
-                                           kv.gather(kv.values, positions.table), kv, 0.1,
-                                           positions.mask)
+        def core():  # the runner's dispatch over what each layer's cache handed out last
+            with installed.steps():  # (the kernel where it fits), every layer in one graph
+                return [attention.attention(q, c.fetched[0], c.fetched[1], c, 0.1,
+                                            positions.mask) for c in attn]
 
-        parts["attention core"] = median_ms(core, repeat) * len(attn)
+        step()  # each layer's cache.fetched: the K and V of a step, as the kernel checks
+        parts["attention core"] = median_ms(core, repeat)
     sampler = Sampler(vocab, batch)
     for row in range(1, batch + 1):
         sampler.admit(row, RowParams(), [])
@@ -143,7 +148,7 @@ def profile(model, installed, batch: int, context: int, repeat: int,
     # The graph build overlaps the previous step in the runner; sampling follows the step.
     named = sum(v for k, v in parts.items()
                 if k not in ("step", "graph build (Python)", "sampling (greedy)",
-                             "step, greedy head", "greedy head"))
+                             "step, greedy head", "greedy head", "rest"))
     parts["rest"] = parts["step"] - named
     # One token's K or V in a layer: kv_heads x dim (the pool is [kv_heads, pages, page, dim]).
     kv_bytes = sum(batch * (context + 1) * c.keys.shape[0] * c.keys.shape[-1] * c.keys.itemsize
