@@ -13,6 +13,7 @@
     causal_conv(x, w, *, stream=None) -> mx.array
     silu(gate, x=None, *, stream=None) -> mx.array
     softmax(scores, causal_length=0, *, stream=None) -> mx.array
+    categorical(logits, u, *, stream=None) -> mx.array
 
 They build lazy graph nodes evaluated on MLX's CPU stream. isa() / set_isa(name) report and
 force the instruction-set path; threads() / set_threads(n) the thread count.
@@ -42,6 +43,7 @@ gated_delta = _ext.gated_delta
 causal_conv = _ext.causal_conv
 silu = _ext.silu
 softmax = _ext.softmax
+categorical = _ext.categorical
 head_x_levels = _ext.head_x_levels
 isa = _ext.isa
 set_isa = _ext.set_isa
@@ -49,6 +51,6 @@ has_isa = _ext.has_isa
 threads = _ext.threads
 set_threads = _ext.set_threads
 
-__all__ = ["affine_qmm", "bf16_matmul", "decode_attention", "f32_matmul", "gated_delta",
+__all__ = ["affine_qmm", "bf16_matmul", "categorical", "decode_attention", "f32_matmul", "gated_delta",
            "greedy_head", "greedy_head_quantized", "has_isa", "head_x_levels", "isa",
            "qhead_fast", "rms_norm", "rope", "set_isa", "set_threads", "threads"]

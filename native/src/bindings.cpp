@@ -91,6 +91,11 @@ NB_MODULE(_ext, m) {
         "the bits of mx.softmax(scores, precise=True). causal_length > 0: "
         "rows are queries of a chunk of that many tokens (row r is query r % causal_length, at "
         "key position width - causal_length + r % causal_length); later keys get 0.");
+  m.def("categorical", &mas::categorical, "logits"_a, "u"_a, nb::kw_only(),
+        "stream"_a = nb::none(),
+        "One token per row drawn from softmax(logits) over the last axis: float32 logits [..., "
+        "V], one uniform u in [0, 1) per row [...] -> uint32 [...], the first index whose "
+        "running sum of exp(logits - max) passes u times the row's total; -inf is never drawn.");
   m.def("head_x_levels", &mas::head_x_levels,
         "The levels x is quantized to by greedy_head on the path in use (127, or 63 on AVX2).");
   m.def("isa", [] { return std::string(mas::isa_name(mas::current_isa())); },

@@ -79,6 +79,7 @@ MAS_BY_ISA(gated_delta, DeltaArgs)
 MAS_BY_ISA(conv_values, ConvArgs)
 MAS_BY_ISA(silu_values, ActArgs)
 MAS_BY_ISA(softmax_rows, SoftmaxArgs)
+MAS_BY_ISA(categorical_rows, CatArgs)
 
 #undef MAS_BY_ISA
 

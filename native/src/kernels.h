@@ -103,6 +103,16 @@ struct SoftmaxArgs {
   bool bf16;  // MLX's bf16 softmax (precise) bit for bit: its exp, its order of sums
 };
 
+// One draw per row from softmax(x) of each row of `width` float32 logits (activation.inc):
+// the first index whose running sum of exp(x - max) passes u * the row's total. Logits at -inf
+// (filtered out) have weight 0 and are never drawn.
+struct CatArgs {
+  const float* x;  // [rows, width]
+  const float* u;  // [rows], uniform in [0, 1)
+  uint32_t* out;   // [rows]
+  int64_t rows, width;
+};
+
 // The greedy head's first pass (greedy_head.cpp): int8 dot products of x's and W's rows
 // with error bounds, keeping the vocabulary rows that can still be the argmax of x @ W.T.
 // Per (task, row of x) state: `lo`, the best lower bound seen so far (by any task: they
@@ -156,6 +166,7 @@ void gated_delta(const DeltaArgs& a);
 void silu_values(const ActArgs& a);
 void conv_values(const ConvArgs& a);
 void softmax_rows(const SoftmaxArgs& a);
+void categorical_rows(const CatArgs& a);
 void qmm(const QmmArgs& a);
 void bf16mm(const Bf16Args& a);
 void f32mm(const F32Args& a);
@@ -167,6 +178,7 @@ void gated_delta(const DeltaArgs& a);
 void silu_values(const ActArgs& a);
 void conv_values(const ConvArgs& a);
 void softmax_rows(const SoftmaxArgs& a);
+void categorical_rows(const CatArgs& a);
 void qmm(const QmmArgs& a);
 void bf16mm(const Bf16Args& a);
 void f32mm(const F32Args& a);
@@ -179,6 +191,7 @@ void gated_delta(const DeltaArgs& a);
 void silu_values(const ActArgs& a);
 void conv_values(const ConvArgs& a);
 void softmax_rows(const SoftmaxArgs& a);
+void categorical_rows(const CatArgs& a);
 void qmm(const QmmArgs& a);
 void bf16mm(const Bf16Args& a);
 void f32mm(const F32Args& a);
@@ -200,6 +213,7 @@ void gated_delta(const DeltaArgs& a);
 void silu_values(const ActArgs& a);
 void conv_values(const ConvArgs& a);
 void softmax_rows(const SoftmaxArgs& a);
+void categorical_rows(const CatArgs& a);
 void head(const HeadArgs& a);
 void qhead(const QHeadArgs& a);
 // Whether qhead has a vectorized path on this CPU (AVX-512 VNNI): elsewhere it is scalar

@@ -263,4 +263,22 @@ class Softmax : public mx::UnaryPrimitive {
   int length_;
 };
 
+// One token per row drawn from softmax(logits) over the last axis, float32 logits [..., V]
+// and one uniform u in [0, 1) per row [...] -> uint32 [...] (activation.cpp): the first index
+// whose running sum of exp(logits - max) passes u times the row's total. -inf logits are never
+// drawn; a row that is all -inf gives 0.
+mx::array categorical(const mx::array& logits, const mx::array& u, mx::StreamOrDevice s = {});
+
+class Categorical : public mx::UnaryPrimitive {
+ public:
+  explicit Categorical(mx::Stream stream) : mx::UnaryPrimitive(stream) {}
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+  const char* name() const override { return "MasCategorical"; }
+  bool is_equivalent(const mx::Primitive&) const override { return true; }
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    return {mx::Shape(inputs[0].shape().begin(), inputs[0].shape().end() - 1)};
+  }
+};
+
 }  // namespace mas

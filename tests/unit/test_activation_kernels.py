@@ -1,7 +1,8 @@
-"""The SiLU and softmax kernels (mas_kernels.silu / .softmax, native/src/activation.inc) against
-float64 references on every instruction-set path this CPU has: saturation far out on both
-sides, lengths that are not a multiple of the vector width, the causal mask of a later prompt
-chunk over grouped query heads, and clear errors for inputs they do not take."""
+"""The SiLU, softmax and categorical kernels (mas_kernels.silu / .softmax / .categorical,
+native/src/activation.inc) against float64 references on every instruction-set path this CPU
+has: saturation far out on both sides, lengths that are not a multiple of the vector width, the
+causal mask of a later prompt chunk over grouped query heads, draws that are the inverse of the
+softmax's cumulative distribution, and clear errors for inputs they do not take."""
 
 from __future__ import annotations
 
@@ -126,3 +127,46 @@ def test_bad_inputs_are_refused_by_name():
         mk.softmax(mx.zeros((2, 6, 4)), 4)  # 6 rows are not queries of chunks of 4
     with pytest.raises(ValueError, match="causal_length"):
         mk.softmax(mx.zeros((2, 4, 3)), 4)  # a chunk wider than the keys
+    with pytest.raises(ValueError, match="float32"):
+        mk.categorical(mx.zeros((2, 4), mx.bfloat16), mx.zeros((2,)))
+    with pytest.raises(ValueError, match="without its last axis"):
+        mk.categorical(mx.zeros((2, 4)), mx.zeros((4,)))
+    with pytest.raises(ValueError, match="V > 0"):
+        mk.categorical(mx.zeros((2, 0)), mx.zeros((2,)))
+
+
+def _inverse_cdf(logits: np.ndarray, u: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The float64 draw for each u (the first index whose cumulative probability passes u),
+    and each u's distance to the nearest boundary of the cumulative distribution."""
+    p = _softmax64(logits)
+    cdf = np.cumsum(p)
+    idx = np.minimum(np.searchsorted(cdf, u, side="right"), len(p) - 1)
+    edges = np.concatenate([[0.0], cdf])
+    return idx, np.min(np.abs(u[:, None] - edges[None, :]), axis=1)
+
+
+@pytest.mark.parametrize("width", [1, 5, 17, 70_001])
+def test_categorical_is_the_inverse_cdf(isa, width):
+    rng = np.random.default_rng(width)
+    logits = rng.normal(0, 3, width).astype(np.float32)
+    logits[rng.random(width) < 0.3] = -np.inf  # filtered out: never drawn
+    logits[0] = 1.0
+    u = ((np.arange(4000) + 0.5) / 4000).astype(np.float32)  # stratified: counts ~ 4000 p
+    got = np.asarray(mk.categorical(mx.array(np.tile(logits, (len(u), 1))), mx.array(u)))
+    assert got.dtype == np.uint32 and got.shape == u.shape
+    assert np.isfinite(logits[got]).all()
+    want, margin = _inverse_cdf(logits, u.astype(np.float64))
+    clear = margin > 2e-6  # float32 sums may cross a boundary only where u sits on it
+    assert clear.sum() > 2000 and (got[clear] == want[clear]).all()
+    counts = np.bincount(got, minlength=width)
+    assert np.abs(counts - 4000 * _softmax64(logits)).max() <= 2
+
+
+def test_categorical_ends_and_empty_rows(isa):
+    logits = np.array([[-np.inf, 0.0, 5.0, -np.inf, 0.0, -np.inf]] * 2, np.float32)
+    got = mk.categorical(mx.array(logits), mx.array([0.0, 0.9999999], mx.float32))
+    assert np.asarray(got).tolist() == [1, 4]  # u = 0: the first kept token; u ~ 1: the last
+    nothing = mk.categorical(mx.full((3, 40), -np.inf), mx.array([0.2, 0.5, 0.9]))
+    assert np.asarray(nothing).tolist() == [0, 0, 0]
+    rows = mx.random.normal((2, 3, 50), key=mx.random.key(5))  # any leading shape
+    assert mk.categorical(rows, mx.full((2, 3), 0.5)).shape == (2, 3)

@@ -1,6 +1,8 @@
 """The batched sampler: draws against exact probabilities (chi-square), the filters' kept sets,
 penalties against a numpy re-computation, seeds that ignore the batch around them, raw logprobs,
-and the plain greedy fast path."""
+and the plain greedy fast path. The draws are tested both ways the sampler makes them: the
+Gumbel-max over MLX's noise, and the compiled kernel's draw inside kernel_draws() (the
+runner's CPU steps)."""
 
 import math
 
@@ -11,7 +13,7 @@ from hypothesis import assume, given, settings, strategies as st
 
 from actors.model_runner import filters
 from actors.model_runner.filters import apply_filters
-from actors.model_runner.sampling import MAX_TOP_LOGPROBS, RowParams, Sampler
+from actors.model_runner.sampling import MAX_TOP_LOGPROBS, RowParams, Sampler, kernel_draws
 
 Z_999 = 3.090232  # standard normal quantile at 1 - 0.001
 
@@ -91,6 +93,17 @@ def assert_follows(counts: np.ndarray, probs: np.ndarray) -> None:
 LOGITS = np.random.default_rng(7).normal(0, 1.5, 16).astype(np.float32)
 
 
+@pytest.fixture(params=["gumbel", "kernel"])
+def draws(request):
+    """The test's draws made the Gumbel-max way, or by the compiled kernel as in the runner."""
+    if request.param == "gumbel":
+        yield
+        return
+    kernels = pytest.importorskip("mas_kernels", reason="mas_kernels is not built")
+    with kernel_draws(kernels):
+        yield
+
+
 # -- the statistics helper itself ---------------------------------------------------------------
 
 def test_chi2_helper_matches_tables_and_has_power():
@@ -105,19 +118,19 @@ def test_chi2_helper_matches_tables_and_has_power():
 # -- distributions --------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("temperature", [0.5, 1.0, 2.0])
-def test_temperature_draws_follow_softmax(temperature):
+def test_temperature_draws_follow_softmax(temperature, draws):
     counts = draw(LOGITS, RowParams(temperature=temperature), 4000, seed=int(temperature * 10))
     assert_follows(counts, expected_probs(LOGITS, temperature))
 
 
-def test_top_k_draws_only_the_k_best_renormalized():
+def test_top_k_draws_only_the_k_best_renormalized(draws):
     counts = draw(LOGITS, RowParams(temperature=1.0, top_k=4), 4000, seed=1)
     probs = expected_probs(LOGITS, top_k=4)
     assert set(np.flatnonzero(probs)) == set(np.argsort(-LOGITS)[:4])
     assert_follows(counts, probs)
 
 
-def test_top_p_draws_only_the_nucleus_renormalized():
+def test_top_p_draws_only_the_nucleus_renormalized(draws):
     cum = np.cumsum(np.sort(softmax(LOGITS.astype(np.float64)))[::-1])
     top_p = float(cum[3] + cum[4]) / 2  # mid-gap, far from a boundary: the 5 best tokens
     counts = draw(LOGITS, RowParams(temperature=1.0, top_p=top_p), 4000, seed=2)
@@ -126,20 +139,20 @@ def test_top_p_draws_only_the_nucleus_renormalized():
     assert_follows(counts, probs)
 
 
-def test_min_p_drops_the_unlikely_tokens():
+def test_min_p_drops_the_unlikely_tokens(draws):
     counts = draw(LOGITS, RowParams(temperature=1.0, min_p=0.1), 4000, seed=3)
     probs = expected_probs(LOGITS, min_p=0.1)
     assert 1 < (probs > 0).sum() < len(LOGITS)
     assert_follows(counts, probs)
 
 
-def test_filters_combine_after_temperature():
+def test_filters_combine_after_temperature(draws):
     params = RowParams(temperature=0.7, top_k=8, top_p=0.9, min_p=0.02)
     counts = draw(LOGITS, params, 4000, seed=4)
     assert_follows(counts, expected_probs(LOGITS, 0.7, top_k=8, top_p=0.9, min_p=0.02))
 
 
-def test_seeded_rows_follow_the_distribution():
+def test_seeded_rows_follow_the_distribution(draws):
     counts = draw(LOGITS, RowParams(temperature=1.0), 2000, seeded=True)
     assert_follows(counts, expected_probs(LOGITS))
 
@@ -310,7 +323,7 @@ def seeded_run(target: RowParams, steps: int, neighbours: bool, order_seed: int 
     return tokens, greedy
 
 
-def test_a_seeded_row_ignores_the_batch_around_it():
+def test_a_seeded_row_ignores_the_batch_around_it(draws):
     alone, _ = seeded_run(TARGET, 12, neighbours=False)
     for order_seed in range(3):
         among, greedy = seeded_run(TARGET, 12, neighbours=True, order_seed=order_seed)
@@ -320,7 +333,7 @@ def test_a_seeded_row_ignores_the_batch_around_it():
     assert other_seed != alone
 
 
-def test_unseeded_rows_vary():
+def test_unseeded_rows_vary(draws):
     params = RowParams(temperature=1.0)
     runs = [draw(np.zeros(SEED_VOCAB, np.float32), params, 20, seed=s, batch=20) for s in (1, 2)]
     assert not (runs[0] == runs[1]).all()

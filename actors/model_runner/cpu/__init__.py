@@ -66,13 +66,15 @@ class Installed:
 
     def steps(self) -> AbstractContextManager[None]:
         """The context the runner builds its steps in: fast math on where configured, the
-        decode attention kernel where built."""
+        decode attention kernel and the sampled rows' draws through the kernels where built."""
+        from actors.model_runner import sampling
         from actors.model_runner.cpu import attention, fastmath, weights
 
+        kernels = weights.loaded_kernels() if self.decode_attention else None
         stack = ExitStack()
         stack.enter_context(fastmath.active(self.fast_math))
-        stack.enter_context(attention.active(weights.loaded_kernels()
-                                             if self.decode_attention else None))
+        stack.enter_context(attention.active(kernels))
+        stack.enter_context(sampling.kernel_draws(kernels))
         return stack
 
 
