@@ -73,37 +73,6 @@ void Softmax::eval_gpu(const std::vector<mx::array>&, mx::array&) {
   throw std::runtime_error("mas_kernels.softmax has no GPU kernel: use mx.softmax");
 }
 
-mx::array categorical(const mx::array& logits, const mx::array& u, mx::StreamOrDevice s) {
-  if (logits.dtype() != mx::float32 || u.dtype() != mx::float32) {
-    throw std::invalid_argument("categorical: logits and u must be float32");
-  }
-  if (logits.ndim() < 1 || logits.shape(-1) == 0) {
-    throw std::invalid_argument("categorical: logits must be [..., V] with V > 0, got " +
-                                shape_str(logits.shape()));
-  }
-  const mx::Shape rows(logits.shape().begin(), logits.shape().end() - 1);
-  if (u.shape() != rows) {
-    throw std::invalid_argument("categorical: u must be logits' shape without its last axis " +
-                                shape_str(rows) + ", got " + shape_str(u.shape()));
-  }
-  mx::Stream stream = cpu_stream(s, "categorical");
-  return mx::array(rows, mx::uint32, std::make_shared<Categorical>(stream), {logits, u});
-}
-
-void Categorical::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
-  auto& enc = mx::cpu::get_command_encoder(stream());
-  const auto in = cpu_io(enc, inputs, {out});
-  const int64_t width = in[0].shape(-1);
-  CatArgs args{in[0].data<float>(), in[1].data<float>(), out.data<uint32_t>(),
-               static_cast<int64_t>(out.size()), width};
-  if (args.rows == 0) return;
-  enc.dispatch([args]() { mas::categorical_rows(args); });
-}
-
-void Categorical::eval_gpu(const std::vector<mx::array>&, mx::array&) {
-  throw std::runtime_error("mas_kernels.categorical has no GPU kernel: use mx.random.categorical");
-}
-
 bool Softmax::is_equivalent(const mx::Primitive& other) const {
   return length_ == static_cast<const Softmax&>(other).length_;
 }

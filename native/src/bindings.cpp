@@ -91,11 +91,17 @@ NB_MODULE(_ext, m) {
         "the bits of mx.softmax(scores, precise=True). causal_length > 0: "
         "rows are queries of a chunk of that many tokens (row r is query r % causal_length, at "
         "key position width - causal_length + r % causal_length); later keys get 0.");
-  m.def("categorical", &mas::categorical, "logits"_a, "u"_a, nb::kw_only(),
-        "stream"_a = nb::none(),
+  m.def("categorical", &mas::categorical, "logits"_a, "u"_a, "floor"_a = nb::none(),
+        nb::kw_only(), "stream"_a = nb::none(),
         "One token per row drawn from softmax(logits) over the last axis: float32 logits [..., "
         "V], one uniform u in [0, 1) per row [...] -> uint32 [...], the first index whose "
-        "running sum of exp(logits - max) passes u times the row's total; -inf is never drawn.");
+        "running sum of exp(logits - max) over the kept logits passes u times their total. "
+        "Kept: logits >= floor (float32 [...]) where given; -inf is never drawn.");
+  m.def("filter_floor", &mas::filter_floor, "logits"_a, "top_k"_a, "top_p"_a, "log_min_p"_a,
+        nb::kw_only(), "stream"_a = nb::none(),
+        "Each row's top_k / top_p / min_p threshold: float32 logits [..., V], per row int32 "
+        "top_k, float32 top_p and log(min_p) [...] -> float32 [...]; logits >= it is what "
+        "filters.apply_filters keeps. top_k <= 0, top_p >= 1, log_min_p = -inf: off.");
   m.def("head_x_levels", &mas::head_x_levels,
         "The levels x is quantized to by greedy_head on the path in use (127, or 63 on AVX2).");
   m.def("isa", [] { return std::string(mas::isa_name(mas::current_isa())); },

@@ -103,13 +103,25 @@ struct SoftmaxArgs {
   bool bf16;  // MLX's bf16 softmax (precise) bit for bit: its exp, its order of sums
 };
 
-// One draw per row from softmax(x) of each row of `width` float32 logits (activation.inc):
-// the first index whose running sum of exp(x - max) passes u * the row's total. Logits at -inf
-// (filtered out) have weight 0 and are never drawn.
+// One draw per row from softmax(x) of each row of `width` float32 logits (sampling.inc): the
+// first index whose running sum of exp(x - max) over the kept values passes u * their total.
+// Kept: x >= floor[row] (all where floor is null); -inf is never drawn.
 struct CatArgs {
-  const float* x;  // [rows, width]
-  const float* u;  // [rows], uniform in [0, 1)
-  uint32_t* out;   // [rows]
+  const float* x;      // [rows, width]
+  const float* u;      // [rows], uniform in [0, 1)
+  const float* floor;  // [rows] or null
+  uint32_t* out;       // [rows]
+  int64_t rows, width;
+};
+
+// Each row's top_k / top_p / min_p threshold (sampling.inc): out[row] such that x >= it is the
+// set filters.apply_filters keeps. top_k <= 0 or >= width, top_p >= 1, log_min_p = -inf: off.
+struct FloorArgs {
+  const float* x;          // [rows, width]
+  const int32_t* top_k;    // [rows]
+  const float* top_p;      // [rows]
+  const float* log_min_p;  // [rows]
+  float* out;              // [rows]
   int64_t rows, width;
 };
 
@@ -167,6 +179,7 @@ void silu_values(const ActArgs& a);
 void conv_values(const ConvArgs& a);
 void softmax_rows(const SoftmaxArgs& a);
 void categorical_rows(const CatArgs& a);
+void filter_floor_rows(const FloorArgs& a);
 void qmm(const QmmArgs& a);
 void bf16mm(const Bf16Args& a);
 void f32mm(const F32Args& a);
@@ -179,6 +192,7 @@ void silu_values(const ActArgs& a);
 void conv_values(const ConvArgs& a);
 void softmax_rows(const SoftmaxArgs& a);
 void categorical_rows(const CatArgs& a);
+void filter_floor_rows(const FloorArgs& a);
 void qmm(const QmmArgs& a);
 void bf16mm(const Bf16Args& a);
 void f32mm(const F32Args& a);
@@ -192,6 +206,7 @@ void silu_values(const ActArgs& a);
 void conv_values(const ConvArgs& a);
 void softmax_rows(const SoftmaxArgs& a);
 void categorical_rows(const CatArgs& a);
+void filter_floor_rows(const FloorArgs& a);
 void qmm(const QmmArgs& a);
 void bf16mm(const Bf16Args& a);
 void f32mm(const F32Args& a);
@@ -214,6 +229,7 @@ void silu_values(const ActArgs& a);
 void conv_values(const ConvArgs& a);
 void softmax_rows(const SoftmaxArgs& a);
 void categorical_rows(const CatArgs& a);
+void filter_floor_rows(const FloorArgs& a);
 void head(const HeadArgs& a);
 void qhead(const QHeadArgs& a);
 // Whether qhead has a vectorized path on this CPU (AVX-512 VNNI): elsewhere it is scalar

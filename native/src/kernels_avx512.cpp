@@ -225,6 +225,7 @@ struct F32 : Dense<float> {
 #include "attention.inc"
 #include "gated_delta.inc"
 #include "activation.inc"
+#include "sampling.inc"
 #include "head.inc"
 
 namespace {

@@ -134,6 +134,7 @@ void f32mm(const F32Args& a) {
 #include "attention.inc"
 #include "gated_delta.inc"
 #include "activation.inc"
+#include "sampling.inc"
 #include "head.inc"
 
 namespace {

@@ -264,10 +264,31 @@ class Softmax : public mx::UnaryPrimitive {
 };
 
 // One token per row drawn from softmax(logits) over the last axis, float32 logits [..., V]
-// and one uniform u in [0, 1) per row [...] -> uint32 [...] (activation.cpp): the first index
-// whose running sum of exp(logits - max) passes u times the row's total. -inf logits are never
-// drawn; a row that is all -inf gives 0.
-mx::array categorical(const mx::array& logits, const mx::array& u, mx::StreamOrDevice s = {});
+// and one uniform u in [0, 1) per row [...] -> uint32 [...] (sampling.cpp): the first index
+// whose running sum of exp(logits - max) over the kept logits passes u times their total.
+// Kept: logits >= floor (float32 [...]) where floor is given. -inf logits are never drawn; a
+// row that is all -inf gives 0.
+mx::array categorical(const mx::array& logits, const mx::array& u,
+                      const std::optional<mx::array>& floor, mx::StreamOrDevice s = {});
+
+// Each row's top_k / top_p / min_p threshold, float32 logits [..., V] and per row int32 top_k,
+// float32 top_p and log(min_p) [...] -> float32 [...] (sampling.cpp): logits >= it is the set
+// that filters.apply_filters keeps (top_p over what top_k keeps, renormalized; ties with the
+// threshold kept). top_k <= 0, top_p >= 1, log_min_p = -inf: that filter is off.
+mx::array filter_floor(const mx::array& logits, const mx::array& top_k, const mx::array& top_p,
+                       const mx::array& log_min_p, mx::StreamOrDevice s = {});
+
+class FilterFloor : public mx::UnaryPrimitive {
+ public:
+  explicit FilterFloor(mx::Stream stream) : mx::UnaryPrimitive(stream) {}
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+  const char* name() const override { return "MasFilterFloor"; }
+  bool is_equivalent(const mx::Primitive&) const override { return true; }
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    return {mx::Shape(inputs[0].shape().begin(), inputs[0].shape().end() - 1)};
+  }
+};
 
 class Categorical : public mx::UnaryPrimitive {
  public:

@@ -170,3 +170,62 @@ def test_categorical_ends_and_empty_rows(isa):
     assert np.asarray(nothing).tolist() == [0, 0, 0]
     rows = mx.random.normal((2, 3, 50), key=mx.random.key(5))  # any leading shape
     assert mk.categorical(rows, mx.full((2, 3), 0.5)).shape == (2, 3)
+
+
+def _nucleus64(logits: np.ndarray, top_p: float) -> int:
+    """How many of the best tokens the smallest set with mass >= top_p holds (float64)."""
+    cum = np.cumsum(np.sort(_softmax64(logits))[::-1])
+    return int(np.searchsorted(cum, top_p)) + 1
+
+
+@pytest.mark.parametrize("shape", ["peaked", "flat"])
+def test_filter_floor_on_a_real_vocabulary(isa, shape):
+    """151,936 logits per row: the top_p nucleus is the float64 one (flat: ~10^5 tokens, where
+    a bin of the kernel's histogram holds hundreds), top_k keeps its ties, min_p is max +
+    log(min_p), and the strictest filter of a row wins."""
+    rng = np.random.default_rng(3)
+    width = 151_936
+    x = rng.normal(0, 1, (4, width)).astype(np.float32) * (2 if shape == "peaked" else 1)
+    if shape == "peaked":
+        x[:, rng.integers(0, width, 40)] += 12
+    x[2, :7] = x[2].max() + 1  # seven tokens tie for the best
+    # top_p halfway between the masses of the n and n + 1 best tokens: a nucleus of n + 1
+    top_p = np.ones(4, np.float32)
+    for r, n in enumerate((9, 20) if shape == "peaked" else (50_000, 60_000)):
+        cum = np.cumsum(np.sort(_softmax64(x[r]))[::-1])
+        top_p[r] = (cum[n - 1] + cum[n]) / 2
+    ks = np.array([0, 0, 3, 0], np.int32)
+    mins = np.array([-np.inf, -np.inf, -np.inf, np.log(0.05)], np.float32)
+    floor = np.asarray(mk.filter_floor(mx.array(x), mx.array(ks), mx.array(top_p),
+                                       mx.array(mins)))
+    kept = (x >= floor[:, None]).sum(1)
+    assert kept[0] == _nucleus64(x[0], float(top_p[0]))
+    assert kept[1] == _nucleus64(x[1], float(top_p[1]))
+    assert kept[2] == 7  # top_k 3 of seven equal best: all seven stay
+    assert floor[3] == np.float32(x[3].max() + np.log(np.float32(0.05)))
+
+
+def test_categorical_draws_only_above_the_floor(isa):
+    rng = np.random.default_rng(9)
+    logits = rng.normal(0, 2, (1, 300)).astype(np.float32)
+    floor = np.float32(np.sort(logits[0])[-20])  # the 20 best stay
+    u = ((np.arange(3000) + 0.5) / 3000).astype(np.float32)
+    got = np.asarray(mk.categorical(mx.array(np.tile(logits, (3000, 1))), mx.array(u),
+                                    mx.full((3000,), floor)))
+    kept = np.where(logits[0] >= floor, logits[0], -np.inf)
+    counts = np.bincount(got, minlength=300)
+    assert set(np.flatnonzero(counts)) <= set(np.flatnonzero(np.isfinite(kept)))
+    assert np.abs(counts - 3000 * _softmax64(kept)).max() <= 2
+
+
+def test_sampling_kernels_refuse_bad_rows_by_name():
+    x = mx.zeros((2, 8))
+    with pytest.raises(ValueError, match="floor must be logits' shape"):
+        mk.categorical(x, mx.zeros((2,)), mx.zeros((3,)))
+    with pytest.raises(ValueError, match="top_k must be int32"):
+        mk.filter_floor(x, mx.zeros((2,)), mx.ones((2,)), mx.zeros((2,)))
+    with pytest.raises(ValueError, match="top_p must be logits' shape"):
+        mk.filter_floor(x, mx.zeros((2,), mx.int32), mx.ones((3,)), mx.zeros((2,)))
+    with pytest.raises(ValueError, match="logits must be float32"):
+        mk.filter_floor(x.astype(mx.float16), mx.zeros((2,), mx.int32), mx.ones((2,)),
+                        mx.zeros((2,)))

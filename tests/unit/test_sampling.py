@@ -206,6 +206,29 @@ def test_filters_keep_exactly_the_reference_set(case):
         assert (kept[i] == want).all(), (i, np.flatnonzero(kept[i]), np.flatnonzero(want))
 
 
+@settings(max_examples=150, deadline=None)
+@given(filter_batches())
+def test_the_kernel_floor_keeps_exactly_the_reference_set(case):
+    """mas_kernels.filter_floor, the runner's filters on the CPU: x >= its threshold per row
+    is the reference set, rows with different filters side by side."""
+    mk = pytest.importorskip("mas_kernels", reason="mas_kernels is not built")
+    x, ks, ps, mins, _ = case
+    for i in range(len(x)):
+        q = expected_probs(x[i], top_k=min(ks[i], len(x[i])))
+        cum = np.cumsum(np.sort(q)[::-1])
+        assume(ps[i] == 1 or np.abs(cum - ps[i]).min() > 1e-4)
+        p = softmax(x[i].astype(np.float64))
+        assume(mins[i] == 0 or np.abs(p / p.max() - mins[i]).min() > 1e-4)
+    with np.errstate(divide="ignore"):
+        log_min_p = np.log(mins.astype(np.float32))
+    floor = mk.filter_floor(mx.array(x), mx.array(ks.astype(np.int32)),
+                            mx.array(ps.astype(np.float32)), mx.array(log_min_p))
+    kept = x >= np.array(floor)[:, None]
+    for i in range(len(x)):
+        want = expected_probs(x[i], top_k=min(ks[i], len(x[i])), top_p=ps[i], min_p=mins[i]) > 0
+        assert (kept[i] == want).all(), (i, np.flatnonzero(kept[i]), np.flatnonzero(want))
+
+
 # -- penalties, bias, min_new_tokens --------------------------------------------------------------
 
 def forced(vocab: int, token: int) -> mx.array:
