@@ -1,8 +1,9 @@
-"""The SiLU, softmax and categorical kernels (mas_kernels.silu / .softmax / .categorical,
-native/src/activation.inc) against float64 references on every instruction-set path this CPU
-has: saturation far out on both sides, lengths that are not a multiple of the vector width, the
-causal mask of a later prompt chunk over grouped query heads, draws that are the inverse of the
-softmax's cumulative distribution, and clear errors for inputs they do not take."""
+"""The SiLU and softmax kernels (mas_kernels.silu / .softmax, native/src/activation.inc) and the
+sampling ones (.categorical / .filter_floor, native/src/sampling.inc) against float64 references
+on every instruction-set path this CPU has: saturation far out on both sides, lengths that are
+not a multiple of the vector width, the causal mask of a later prompt chunk over grouped query
+heads, draws that are the inverse of the softmax's cumulative distribution, filters' thresholds
+that keep the float64 nucleus, and clear errors for inputs they do not take."""
 
 from __future__ import annotations
 
