@@ -184,18 +184,24 @@ def filter_batches(draw_):
     return x, np.array(ks), np.array(ps), np.array(mins), draw_(st.sampled_from([3, 1024]))
 
 
-@settings(max_examples=150, deadline=None)
-@given(filter_batches())
-def test_filters_keep_exactly_the_reference_set(case):
-    """Rows with different filters side by side; NUCLEUS_WIDTH 3 takes the path where a nucleus
-    wider than the partial sort is sorted again in full."""
-    x, ks, ps, mins, width = case
+def assume_clear_of_boundaries(x, ks, ps, mins) -> None:
+    """Only cases where no row's top_p or min_p sits within 1e-4 of a token's mass: there
+    float32 and float64 sums may rightly disagree."""
     for i in range(len(x)):
         q = expected_probs(x[i], top_k=min(ks[i], len(x[i])))
         cum = np.cumsum(np.sort(q)[::-1])
         assume(ps[i] == 1 or np.abs(cum - ps[i]).min() > 1e-4)
         p = softmax(x[i].astype(np.float64))
         assume(mins[i] == 0 or np.abs(p / p.max() - mins[i]).min() > 1e-4)
+
+
+@settings(max_examples=150, deadline=None)
+@given(filter_batches())
+def test_filters_keep_exactly_the_reference_set(case):
+    """Rows with different filters side by side; NUCLEUS_WIDTH 3 takes the path where a nucleus
+    wider than the partial sort is sorted again in full."""
+    x, ks, ps, mins, width = case
+    assume_clear_of_boundaries(x, ks, ps, mins)
     old, filters.NUCLEUS_WIDTH = filters.NUCLEUS_WIDTH, width
     try:
         kept = np.array(apply_filters(mx.array(x), ks, ps, mins)) > -np.inf
@@ -213,12 +219,7 @@ def test_the_kernel_floor_keeps_exactly_the_reference_set(case):
     is the reference set, rows with different filters side by side."""
     mk = pytest.importorskip("mas_kernels", reason="mas_kernels is not built")
     x, ks, ps, mins, _ = case
-    for i in range(len(x)):
-        q = expected_probs(x[i], top_k=min(ks[i], len(x[i])))
-        cum = np.cumsum(np.sort(q)[::-1])
-        assume(ps[i] == 1 or np.abs(cum - ps[i]).min() > 1e-4)
-        p = softmax(x[i].astype(np.float64))
-        assume(mins[i] == 0 or np.abs(p / p.max() - mins[i]).min() > 1e-4)
+    assume_clear_of_boundaries(x, ks, ps, mins)
     with np.errstate(divide="ignore"):
         log_min_p = np.log(mins.astype(np.float32))
     floor = mk.filter_floor(mx.array(x), mx.array(ks.astype(np.int32)),
