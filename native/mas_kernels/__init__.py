@@ -13,6 +13,7 @@
     causal_conv(x, w, *, stream=None) -> mx.array
     silu(gate, x=None, *, stream=None) -> mx.array
     softmax(scores, causal_length=0, *, stream=None) -> mx.array
+    argmax(x, *, stream=None) -> mx.array
     categorical(logits, u, floor=None, *, stream=None) -> mx.array
     filter_floor(logits, top_k, top_p, log_min_p, *, stream=None) -> mx.array
 
@@ -44,6 +45,7 @@ gated_delta = _ext.gated_delta
 causal_conv = _ext.causal_conv
 silu = _ext.silu
 softmax = _ext.softmax
+argmax = _ext.argmax
 categorical = _ext.categorical
 filter_floor = _ext.filter_floor
 head_x_levels = _ext.head_x_levels
@@ -53,6 +55,6 @@ has_isa = _ext.has_isa
 threads = _ext.threads
 set_threads = _ext.set_threads
 
-__all__ = ["affine_qmm", "bf16_matmul", "categorical", "decode_attention", "f32_matmul", "filter_floor", "gated_delta",
+__all__ = ["affine_qmm", "argmax", "bf16_matmul", "categorical", "decode_attention", "f32_matmul", "filter_floor", "gated_delta",
            "greedy_head", "greedy_head_quantized", "has_isa", "head_x_levels", "isa",
            "qhead_fast", "rms_norm", "rope", "set_isa", "set_threads", "threads"]

@@ -97,6 +97,9 @@ NB_MODULE(_ext, m) {
         "V], one uniform u in [0, 1) per row [...] -> uint32 [...], the first index whose "
         "running sum of exp(logits - max) over the kept logits passes u times their total. "
         "Kept: logits >= floor (float32 [...]) where given; -inf is never drawn.");
+  m.def("argmax", &mas::argmax, "x"_a, nb::kw_only(), "stream"_a = nb::none(),
+        "mx.argmax(x, axis=-1) for float32 x [..., V] -> uint32 [...]: the first NaN of a row "
+        "if it has one, else its first maximum; vectorized.");
   m.def("filter_floor", &mas::filter_floor, "logits"_a, "top_k"_a, "top_p"_a, "log_min_p"_a,
         nb::kw_only(), "stream"_a = nb::none(),
         "Each row's top_k / top_p / min_p threshold: float32 logits [..., V], per row int32 "

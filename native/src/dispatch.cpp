@@ -80,6 +80,7 @@ MAS_BY_ISA(conv_values, ConvArgs)
 MAS_BY_ISA(silu_values, ActArgs)
 MAS_BY_ISA(softmax_rows, SoftmaxArgs)
 MAS_BY_ISA(categorical_rows, CatArgs)
+MAS_BY_ISA(argmax_rows, ArgmaxArgs)
 MAS_BY_ISA(filter_floor_rows, FloorArgs)
 
 #undef MAS_BY_ISA

@@ -114,6 +114,14 @@ struct CatArgs {
   int64_t rows, width;
 };
 
+// mx.argmax over each row of `width` float32 values (sampling.inc): the first NaN if any,
+// else the first maximum.
+struct ArgmaxArgs {
+  const float* x;  // [rows, width]
+  uint32_t* out;   // [rows]
+  int64_t rows, width;
+};
+
 // Each row's top_k / top_p / min_p threshold (sampling.inc): out[row] such that x >= it is the
 // set filters.apply_filters keeps. top_k <= 0 or >= width, top_p >= 1, log_min_p = -inf: off.
 struct FloorArgs {
@@ -179,6 +187,7 @@ void silu_values(const ActArgs& a);
 void conv_values(const ConvArgs& a);
 void softmax_rows(const SoftmaxArgs& a);
 void categorical_rows(const CatArgs& a);
+void argmax_rows(const ArgmaxArgs& a);
 void filter_floor_rows(const FloorArgs& a);
 void qmm(const QmmArgs& a);
 void bf16mm(const Bf16Args& a);
@@ -192,6 +201,7 @@ void silu_values(const ActArgs& a);
 void conv_values(const ConvArgs& a);
 void softmax_rows(const SoftmaxArgs& a);
 void categorical_rows(const CatArgs& a);
+void argmax_rows(const ArgmaxArgs& a);
 void filter_floor_rows(const FloorArgs& a);
 void qmm(const QmmArgs& a);
 void bf16mm(const Bf16Args& a);
@@ -206,6 +216,7 @@ void silu_values(const ActArgs& a);
 void conv_values(const ConvArgs& a);
 void softmax_rows(const SoftmaxArgs& a);
 void categorical_rows(const CatArgs& a);
+void argmax_rows(const ArgmaxArgs& a);
 void filter_floor_rows(const FloorArgs& a);
 void qmm(const QmmArgs& a);
 void bf16mm(const Bf16Args& a);
@@ -229,6 +240,7 @@ void silu_values(const ActArgs& a);
 void conv_values(const ConvArgs& a);
 void softmax_rows(const SoftmaxArgs& a);
 void categorical_rows(const CatArgs& a);
+void argmax_rows(const ArgmaxArgs& a);
 void filter_floor_rows(const FloorArgs& a);
 void head(const HeadArgs& a);
 void qhead(const QHeadArgs& a);

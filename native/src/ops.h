@@ -271,6 +271,23 @@ class Softmax : public mx::UnaryPrimitive {
 mx::array categorical(const mx::array& logits, const mx::array& u,
                       const std::optional<mx::array>& floor, mx::StreamOrDevice s = {});
 
+// mx.argmax(x, axis=-1) for float32 x [..., V] -> uint32 [...] (sampling.cpp): the first NaN
+// of a row if it has one, else its first maximum. MLX's CPU argmax is scalar code: 2.2 ms over
+// 16 rows of 151,936 logits, this 0.2.
+mx::array argmax(const mx::array& x, mx::StreamOrDevice s = {});
+
+class Argmax : public mx::UnaryPrimitive {
+ public:
+  explicit Argmax(mx::Stream stream) : mx::UnaryPrimitive(stream) {}
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+  const char* name() const override { return "MasArgmax"; }
+  bool is_equivalent(const mx::Primitive&) const override { return true; }
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    return {mx::Shape(inputs[0].shape().begin(), inputs[0].shape().end() - 1)};
+  }
+};
+
 // Each row's top_k / top_p / min_p threshold, float32 logits [..., V] and per row int32 top_k,
 // float32 top_p and log(min_p) [...] -> float32 [...] (sampling.cpp): logits >= it is the set
 // that filters.apply_filters keeps (top_p over what top_k keeps, renormalized; ties with the

@@ -8,14 +8,14 @@
 namespace mas {
 namespace {
 
-// rows: logits' shape without its last axis; each per-row input must have it, in `dtype`.
-mx::Shape per_row(const char* op, const mx::array& logits) {
+// The rows: `name`'s shape without its last axis (each per-row input must have it).
+mx::Shape per_row(const char* op, const mx::array& logits, const char* name = "logits") {
   if (logits.dtype() != mx::float32) {
-    throw std::invalid_argument(std::string(op) + ": logits must be float32");
+    throw std::invalid_argument(std::string(op) + ": " + name + " must be float32");
   }
   if (logits.ndim() < 1 || logits.shape(-1) == 0) {
-    throw std::invalid_argument(std::string(op) + ": logits must be [..., V] with V > 0, got " +
-                                shape_str(logits.shape()));
+    throw std::invalid_argument(std::string(op) + ": " + name + " must be [..., V] with V > 0, "
+                                "got " + shape_str(logits.shape()));
   }
   return mx::Shape(logits.shape().begin(), logits.shape().end() - 1);
 }
@@ -60,6 +60,25 @@ void Categorical::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out)
 
 void Categorical::eval_gpu(const std::vector<mx::array>&, mx::array&) {
   throw std::runtime_error("mas_kernels.categorical has no GPU kernel: use mx.random.categorical");
+}
+
+mx::array argmax(const mx::array& x, mx::StreamOrDevice s) {
+  const mx::Shape rows = per_row("argmax", x, "x");
+  mx::Stream stream = cpu_stream(s, "argmax");
+  return mx::array(rows, mx::uint32, std::make_shared<Argmax>(stream), {x});
+}
+
+void Argmax::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
+  auto& enc = mx::cpu::get_command_encoder(stream());
+  const auto in = cpu_io(enc, inputs, {out});
+  ArgmaxArgs args{in[0].data<float>(), out.data<uint32_t>(), static_cast<int64_t>(out.size()),
+                  in[0].shape(-1)};
+  if (args.rows == 0) return;
+  enc.dispatch([args]() { mas::argmax_rows(args); });
+}
+
+void Argmax::eval_gpu(const std::vector<mx::array>&, mx::array&) {
+  throw std::runtime_error("mas_kernels.argmax has no GPU kernel: use mx.argmax");
 }
 
 mx::array filter_floor(const mx::array& logits, const mx::array& top_k, const mx::array& top_p,

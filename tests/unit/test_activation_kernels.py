@@ -219,6 +219,22 @@ def test_categorical_draws_only_above_the_floor(isa):
     assert np.abs(counts - 3000 * _softmax64(kept)).max() <= 2
 
 
+@pytest.mark.parametrize("width", [1, 15, 16, 17, 151_936])
+def test_argmax_is_mlxs(isa, width):
+    """mlx's own answers: the first maximum, ties and infinities included, and a NaN wins."""
+    rng = np.random.default_rng(width)
+    x = rng.normal(0, 1, (6, width)).astype(np.float32)
+    x[1] = np.round(x[1])  # many ties: the first of them
+    x[2, width // 2:] = np.inf
+    x[3] = -np.inf
+    x[4, width - 1] = np.nan
+    x[5, width // 3] = np.nan
+    x[5, width - 1] = np.nan
+    got = mk.argmax(mx.array(x))
+    assert got.dtype == mx.uint32
+    assert np.asarray(got).tolist() == np.asarray(mx.argmax(mx.array(x), axis=-1)).tolist()
+
+
 def test_sampling_kernels_refuse_bad_rows_by_name():
     x = mx.zeros((2, 8))
     with pytest.raises(ValueError, match="floor must be logits' shape"):
@@ -227,6 +243,8 @@ def test_sampling_kernels_refuse_bad_rows_by_name():
         mk.filter_floor(x, mx.zeros((2,)), mx.ones((2,)), mx.zeros((2,)))
     with pytest.raises(ValueError, match="top_p must be logits' shape"):
         mk.filter_floor(x, mx.zeros((2,), mx.int32), mx.ones((3,)), mx.zeros((2,)))
+    with pytest.raises(ValueError, match="x must be float32"):
+        mk.argmax(mx.zeros((2, 4), mx.bfloat16))
     with pytest.raises(ValueError, match="logits must be float32"):
         mk.filter_floor(x.astype(mx.float16), mx.zeros((2,), mx.int32), mx.ones((2,)),
                         mx.zeros((2,)))
