@@ -352,7 +352,8 @@ class Sampler:
         its filters keep: through the compiled kernels inside kernel_draws() (a threshold per
         row, one uniform per row), else filters.py and the Gumbel-max of xs plus noise over
         the whole vocabulary."""
-        top_k = np.array([p.top_k for p in ps])
+        # Past the vocabulary top_k is off: clipped there, a huge one cannot wrap in int32.
+        top_k = np.minimum(np.array([p.top_k for p in ps], np.int64), self.vocab)
         top_p = np.array([p.top_p for p in ps], np.float32)
         min_p = np.array([p.min_p for p in ps], np.float32)
         kernels = _kernels.get()

@@ -146,6 +146,13 @@ def test_min_p_drops_the_unlikely_tokens(draws):
     assert_follows(counts, probs)
 
 
+def test_a_huge_top_k_is_off(draws):
+    """A top_k past the vocabulary keeps everything, however large (2**32 + 2 would be 2 in
+    the kernel's int32)."""
+    counts = draw(LOGITS, RowParams(temperature=1.0, top_k=2**32 + 2), 4000, seed=6)
+    assert_follows(counts, expected_probs(LOGITS))
+
+
 def test_filters_combine_after_temperature(draws):
     params = RowParams(temperature=0.7, top_k=8, top_p=0.9, min_p=0.02)
     counts = draw(LOGITS, params, 4000, seed=4)
