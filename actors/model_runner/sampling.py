@@ -103,10 +103,9 @@ class Pending:
 @contextmanager
 def kernel_draws(kernels) -> Iterator[None]:
     """Greedy rows' argmax and sampled rows' filters and draw by `kernels` (argmax,
-    filter_floor, categorical) on this thread inside the block (None, or a build without
-    them: MLX's argmax, filters.py and the Gumbel-max)."""
-    usable = all(hasattr(kernels, f) for f in ("argmax", "filter_floor", "categorical"))
-    with _kernels.holding(kernels if usable else None):
+    filter_floor, categorical) on this thread inside the block (None: MLX's argmax,
+    filters.py and the Gumbel-max)."""
+    with _kernels.holding(kernels):
         yield
 
 

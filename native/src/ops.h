@@ -263,6 +263,18 @@ class Softmax : public mx::UnaryPrimitive {
   int length_;
 };
 
+// The sampling primitives (sampling.cpp): one output per row of their first input, [..., V]
+// -> [...]; no parameters of their own, CPU only.
+class PerRow : public mx::UnaryPrimitive {
+ public:
+  explicit PerRow(mx::Stream stream) : mx::UnaryPrimitive(stream) {}
+  void eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+  bool is_equivalent(const mx::Primitive&) const override { return true; }
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    return {mx::Shape(inputs[0].shape().begin(), inputs[0].shape().end() - 1)};
+  }
+};
+
 // One token per row drawn from softmax(logits) over the last axis, float32 logits [..., V]
 // and one uniform u in [0, 1) per row [...] -> uint32 [...] (sampling.cpp): the first index
 // whose running sum of exp(logits - max) over the kept logits passes u times their total.
@@ -276,16 +288,11 @@ mx::array categorical(const mx::array& logits, const mx::array& u,
 // 16 rows of 151,936 logits, this 0.2.
 mx::array argmax(const mx::array& x, mx::StreamOrDevice s = {});
 
-class Argmax : public mx::UnaryPrimitive {
+class Argmax : public PerRow {
  public:
-  explicit Argmax(mx::Stream stream) : mx::UnaryPrimitive(stream) {}
+  using PerRow::PerRow;
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
-  void eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) override;
   const char* name() const override { return "MasArgmax"; }
-  bool is_equivalent(const mx::Primitive&) const override { return true; }
-  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
-    return {mx::Shape(inputs[0].shape().begin(), inputs[0].shape().end() - 1)};
-  }
 };
 
 // Each row's top_k / top_p / min_p threshold, float32 logits [..., V] and per row int32 top_k,
@@ -295,28 +302,18 @@ class Argmax : public mx::UnaryPrimitive {
 mx::array filter_floor(const mx::array& logits, const mx::array& top_k, const mx::array& top_p,
                        const mx::array& log_min_p, mx::StreamOrDevice s = {});
 
-class FilterFloor : public mx::UnaryPrimitive {
+class FilterFloor : public PerRow {
  public:
-  explicit FilterFloor(mx::Stream stream) : mx::UnaryPrimitive(stream) {}
+  using PerRow::PerRow;
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
-  void eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) override;
   const char* name() const override { return "MasFilterFloor"; }
-  bool is_equivalent(const mx::Primitive&) const override { return true; }
-  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
-    return {mx::Shape(inputs[0].shape().begin(), inputs[0].shape().end() - 1)};
-  }
 };
 
-class Categorical : public mx::UnaryPrimitive {
+class Categorical : public PerRow {
  public:
-  explicit Categorical(mx::Stream stream) : mx::UnaryPrimitive(stream) {}
+  using PerRow::PerRow;
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
-  void eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) override;
   const char* name() const override { return "MasCategorical"; }
-  bool is_equivalent(const mx::Primitive&) const override { return true; }
-  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
-    return {mx::Shape(inputs[0].shape().begin(), inputs[0].shape().end() - 1)};
-  }
 };
 
 }  // namespace mas

@@ -35,6 +35,11 @@ void check_row_input(const char* op, const char* name, const mx::array& a, const
 
 }  // namespace
 
+void PerRow::eval_gpu(const std::vector<mx::array>&, mx::array&) {
+  // sampling.py takes MLX's own ops off the CPU: mx.argmax, filters.py, the Gumbel-max.
+  throw std::runtime_error(std::string("mas_kernels: ") + name() + " has no GPU kernel");
+}
+
 mx::array categorical(const mx::array& logits, const mx::array& u,
                       const std::optional<mx::array>& floor, mx::StreamOrDevice s) {
   const mx::Shape rows = per_row("categorical", logits);
@@ -58,10 +63,6 @@ void Categorical::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out)
   enc.dispatch([args]() { mas::categorical_rows(args); });
 }
 
-void Categorical::eval_gpu(const std::vector<mx::array>&, mx::array&) {
-  throw std::runtime_error("mas_kernels.categorical has no GPU kernel: use mx.random.categorical");
-}
-
 mx::array argmax(const mx::array& x, mx::StreamOrDevice s) {
   const mx::Shape rows = per_row("argmax", x, "x");
   mx::Stream stream = cpu_stream(s, "argmax");
@@ -75,10 +76,6 @@ void Argmax::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
                   in[0].shape(-1)};
   if (args.rows == 0) return;
   enc.dispatch([args]() { mas::argmax_rows(args); });
-}
-
-void Argmax::eval_gpu(const std::vector<mx::array>&, mx::array&) {
-  throw std::runtime_error("mas_kernels.argmax has no GPU kernel: use mx.argmax");
 }
 
 mx::array filter_floor(const mx::array& logits, const mx::array& top_k, const mx::array& top_p,
@@ -100,10 +97,6 @@ void FilterFloor::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out)
                  in[0].shape(-1)};
   if (args.rows == 0) return;
   enc.dispatch([args]() { mas::filter_floor_rows(args); });
-}
-
-void FilterFloor::eval_gpu(const std::vector<mx::array>&, mx::array&) {
-  throw std::runtime_error("mas_kernels.filter_floor has no GPU kernel: use filters.apply_filters");
 }
 
 }  // namespace mas
