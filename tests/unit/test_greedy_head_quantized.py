@@ -45,7 +45,9 @@ def tokens(x: mx.array, q: greedy_head.Quantized, bf16_logits=False, allowed=Non
 
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("group", [32, 64, 128])
-@pytest.mark.parametrize("n, k, m", [(1000, 256, 3), (4099, 512, 17), (37, 128, 9)])
+# m = 1 takes AVX-512's direct path (codes as they lie), more rows its transposed blocks.
+@pytest.mark.parametrize("n, k, m", [(1000, 256, 3), (4099, 512, 17), (37, 128, 9),
+                                     (1000, 256, 1), (4099, 512, 1), (37, 128, 1)])
 def test_equals_the_exact_argmax(isa, bits, group, n, k, m):
     rng = np.random.default_rng(n + k + m + bits + group)
     w = rng.standard_normal((n, k)) * rng.uniform(0.01, 0.2, (n, 1))
@@ -79,19 +81,22 @@ def test_near_ties_are_decided_by_the_exact_products(isa, bits):
 
 
 @pytest.mark.parametrize("bits", [4, 8])
-def test_masks_give_the_argmax_over_the_allowed_rows(isa, bits):
-    rng = np.random.default_rng(11)
-    n, k, m = 5000, 256, 4
+@pytest.mark.parametrize("m", [1, 4])
+def test_masks_give_the_argmax_over_the_allowed_rows(isa, bits, m):
+    rng = np.random.default_rng(11 + m)
+    n, k = 5000, 256
     q = quantize(rng.standard_normal((n, k)) * 0.05, 64, bits)
     x = mx.array(rng.standard_normal((m, k)).astype(np.float32))
     logits = np.array(x, np.float64) @ dequantized(q).T
     allowed = rng.random((m, n)) < 0.01
     allowed[np.arange(m), logits.argmax(axis=1)] = False  # the unmasked winners are forbidden
-    allowed[3] = False  # nothing allowed: token 0
+    if m > 1:
+        allowed[m - 1] = False  # nothing allowed: token 0
     words = np.packbits(np.pad(allowed, ((0, 0), (0, 5024 - n))), axis=1,
                         bitorder="little").view(np.uint32)
     want = np.where(allowed, logits, -np.inf).argmax(axis=1)
-    want[3] = 0
+    if m > 1:
+        want[m - 1] = 0
     np.testing.assert_array_equal(tokens(x, q, allowed=mx.array(words)), want)
 
 
@@ -150,8 +155,8 @@ def test_probe_takes_the_heads_the_kernel_covers():
 @pytest.mark.parametrize("name", ["qwen3-small-4bit", "qwen3-small-8bit"])
 def test_a_quantized_checkpoint_keeps_mlx_lms_tokens_through_it(name, model_cache, monkeypatch):
     """The runner core on a 4-bit and an 8-bit checkpoint (a head the kernel covers): greedy
-    decode steps of QUANTIZED_MIN_ROWS rows or more go through the quantized greedy head,
-    smaller ones through the model's own head, and the tokens are mlx-lm's."""
+    decode steps of one row or QUANTIZED_MIN_ROWS rows or more go through the quantized
+    greedy head, the others through the model's own head, and the tokens are mlx-lm's."""
     from actors.model_runner.cpu.greedy_head import GreedyHead
     from models.builtin import ensure_builtin
     from models.info import read_model_info
@@ -171,19 +176,22 @@ def test_a_quantized_checkpoint_keeps_mlx_lms_tokens_through_it(name, model_cach
              "The river", "import numpy", "1, 2, 3,", "Once upon", "SELECT *"]
     ids = [oracle.tokenizer.encode(p) for p in texts]
     arrivals = {0: [("a", ids[0], 12), ("b", ids[1], 6)], 2: [("c", ids[2], 10)],
-                3: [(rid, ids[k], 9) for k, rid in enumerate("defghi", start=3)]}
+                3: [(rid, ids[k], 9) for k, rid in enumerate("defghi", start=3)],
+                40: [("z", ids[3], 8)]}  # alone, after the others: one-row steps
     got, _ = run(path, read_model_info(path), arrivals, max_rows=12, chunk=64)
     _check_all(oracle, arrivals, got)
     assert calls and all(quantized for quantized, _ in calls)
-    # Only the steps of 8 rows or more; the others (the first steps: 2-3 rows) took the head.
-    assert all(rows >= greedy_head.QUANTIZED_MIN_ROWS for _, rows in calls)
+    # Only the steps of one row or of 8 or more; the others (the first steps: 2-3 rows) took
+    # the head.
+    assert all(rows == 1 or rows >= greedy_head.QUANTIZED_MIN_ROWS for _, rows in calls)
+    assert any(rows == 1 for _, rows in calls) and any(rows > 1 for _, rows in calls)
 
 
 def test_a_quantized_head_is_screened_from_its_minimum_rows():
     q = quantize(np.random.default_rng(0).standard_normal((64, 128)).astype(np.float32), 64, 4)
     head = greedy_head.GreedyHead(q, mk)
     below = greedy_head.QUANTIZED_MIN_ROWS - 1
-    assert not head.takes(1) and not head.takes(below)
+    assert head.takes(1) and not head.takes(2) and not head.takes(below)
     assert head.takes(below + 1) and head.takes(256)
     dense = greedy_head.GreedyHead(mx.array(np.ones((64, 128), np.float32)), mk)
     assert dense.takes(1)

@@ -23,9 +23,11 @@ path (`qhead_fast`): there the screening reads the model's own codes, so nothing
 and W carries no error of its own, only x's quantization; what is prepared is a float32 table
 of the scales and biases in 16-row blocks (the kernel applies a group's to 16 rows at once)
 and per-row norms. At 16 rows it is integer arithmetic where the quantized head's product is
-float32 FMAs on decoded weights (qwen3-small 4-bit, c = 16: 10.8 ms of a 23 ms step). At a
-few rows the quantized head's own product reads the same codes with less arithmetic per byte,
-so the screening stands in only from QUANTIZED_MIN_ROWS rows (`takes`).
+float32 FMAs on decoded weights (qwen3-small 4-bit, c = 16: 10.8 ms of a 23 ms step). At one
+row the kernel reads the codes as they lie (no transposed block), integer products in lanes
+along K: the head's 4-bit screening then takes 1.5 ms against the float product's 2.3-2.7
+(8-bit: 3.2 against 5.0-5.7). At 2 to QUANTIZED_MIN_ROWS - 1 rows the quantized head's own
+product is still the cheaper (`takes`).
 """
 
 from __future__ import annotations
@@ -43,7 +45,8 @@ from actors.model_runner.thread_flag import ThreadFlag
 _CHUNK = 8192  # rows of the head prepared at once (numpy temporaries stay ~100 MB)
 _K_ALIGN = 64  # the kernels read x and w in 64-byte steps
 _N_ALIGN = 16  # and the stats in tiles of 16 rows
-# Below this many rows a quantized head's screening costs more than its product. qwen3-small
+# From 2 to this many rows less one a quantized head's screening (its transposed blocks) costs
+# more than its product; one row takes the direct path. qwen3-small
 # (`python -m benchmarks.kernels.profile --formats 4bit 8bit --batch 1 2 4 8 16`, AMD EPYC),
 # decode step with the model's head vs with the greedy head, ms: 4-bit 5.9 / 8.5 at 1 row,
 # 7.0 / 7.9 at 2, 9.4 / 9.8 at 4, 15.6 / 13.2 at 8, 28.0 / 22.3 at 16; 8-bit 10.0 / 11.0,
@@ -216,7 +219,9 @@ class GreedyHead:
 
     def takes(self, rows: int) -> bool:
         """Whether the greedy head pays for a step of `rows` sampled rows."""
-        return rows >= (QUANTIZED_MIN_ROWS if isinstance(self.weight, Quantized) else 1)
+        if isinstance(self.weight, Quantized):
+            return rows == 1 or rows >= QUANTIZED_MIN_ROWS
+        return rows >= 1
 
     @property
     def nbytes(self) -> int:
