@@ -46,7 +46,7 @@ def decode_rates(model: Any, installed: Any, ladder: tuple[int, ...] = LADDER,
 
     def step() -> mx.array:
         with installed.steps():
-            if installed.greedy is None or not installed.greedy.takes(rows):
+            if installed.greedy is None:
                 logits = model(decode.inputs(token_buf), cache=decode.caches)
                 return mx.argmax(logits[:, -1, :], axis=-1)
             with greedy_head.capture() as got:

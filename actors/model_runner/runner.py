@@ -247,8 +247,7 @@ class ModelRunner:
         the greedy head stands in for the model's LM head (cpu/greedy_head.py), the forward's
         head only hands over its input; where snapshots keep the head's input, the head
         records it and runs."""
-        if (self.cpu.greedy is not None and self.cpu.greedy.takes(len(rows))
-                and self.sampler.greedy(rows)):
+        if self.cpu.greedy is not None and self.sampler.greedy(rows):
             return greedy_head.capture()
         if self.head is not None:
             return greedy_head.capture(replace=False)

@@ -438,87 +438,124 @@ void qhead_task(void* ctx, int64_t task) {
       });
 }
 
-// One row of x (c = 1 decode): the codes row by row as they lie, lanes along K. Transposing
-// a block costs more than its products when only one row of x reads it (the tile path above
-// took 3.5 ms on qwen3-small's 4-bit head against 2.7 for the float product). Per 64-byte
-// chunk of a row: vpdpbusd of its 16 words with x's matching bytes (4-bit: the low nibbles,
-// then the high ones), converted and scaled by each lane's group (broadcast from the table),
-// summed in float lanes; 16 rows' lanes meet in one transposing tree. x is rearranged once
-// per task: each chunk's 64 bytes for the low nibbles, then 64 for the high.
-template <int BITS, int GS>
-void qhead_direct_task(void* ctx, int64_t task) {
-  const QHeadArgs& q = *static_cast<const QHeadArgs*>(ctx);
+// Few rows of x (decode at low concurrency): the codes row by row as they lie, lanes along K.
+// Transposing a block costs more than its products when few rows of x read it (the tile path
+// above took 3.5 ms on qwen3-small's 4-bit head at one row, against 2.7 for the float
+// product). Per 64-byte chunk of a code row: vpdpbusd of its 16 words with each row of x's
+// matching bytes (4-bit: the low nibbles, then the high ones), converted and scaled by each
+// lane's group (broadcast from the table), summed in float lanes; 16 code rows' lanes meet in
+// one transposing tree per row of x. x is laid out once per task: per chunk, the 64 bytes for
+// the low nibbles, then the 64 for the high.
+template <int BITS, int GS, int MR>
+void qhead_direct_block(const QHeadArgs& q, const uint8_t* const* block, int64_t n0,
+                        const int8_t* xd, float* out) {
   const HeadArgs& a = q.h;
   constexpr int kGroupBytes = GS * BITS / 8;
   constexpr int kPerChunk = kGroupBytes >= 64 ? 1 : 64 / kGroupBytes;  // groups in a chunk
   constexpr int kChunks = kGroupBytes >= 64 ? kGroupBytes / 64 : 1;    // chunks in a group
   constexpr int kLanes = kGroupBytes / 4;                              // lanes of a group
+  constexpr int kXBytes = BITS == 4 ? 128 : 64;                        // x's per chunk
   const int64_t chunks = q.row_words / 16, row_bytes = q.row_words * 4;
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  const float* tab = q.table + (n0 / kHeadTile) * q.G * 32;
+  // The next block (16 contiguous code rows) streams in while this one runs.
+  const uint8_t* next = block[0] + kHeadTile * row_bytes;
+  const bool ahead = n0 + 2 * kHeadTile <= a.N;
+  vf accs[MR][kHeadTile];
+  for (int j = 0; j < kHeadTile; ++j) {
+    const uint8_t* w = block[j];
+    vf accf[MR];
+    for (int i = 0; i < MR; ++i) accf[i] = vzero();
+    int64_t g = 0;
+    for (int64_t c = 0; c < chunks; g += kPerChunk) {
+      __m512i acc[MR];
+      for (int i = 0; i < MR; ++i) acc[i] = _mm512_setzero_si512();
+      for (int cc = 0; cc < kChunks; ++cc, ++c) {
+        if (ahead) {
+          _mm_prefetch(reinterpret_cast<const char*>(next + j * row_bytes + 64 * c),
+                       _MM_HINT_T0);
+        }
+        const __m512i v = _mm512_loadu_si512(w + 64 * c);
+        if (BITS == 4) {
+          const __m512i lo = _mm512_and_si512(v, low);
+          const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+          for (int i = 0; i < MR; ++i) {
+            const int8_t* xr = xd + i * a.Kp + kXBytes * c;
+            dpbusd(acc[i], lo, _mm512_loadu_si512(xr));
+            dpbusd(acc[i], hi, _mm512_loadu_si512(xr + 64));
+          }
+        } else {
+          for (int i = 0; i < MR; ++i) {
+            dpbusd(acc[i], v, _mm512_loadu_si512(xd + i * a.Kp + kXBytes * c));
+          }
+        }
+      }
+      vf scale = _mm512_set1_ps(tab[g * 32 + j]);
+      for (int k = 1; k < kPerChunk; ++k) {
+        const __mmask16 lanes = static_cast<__mmask16>(((1u << kLanes) - 1u) << (k * kLanes));
+        scale = _mm512_mask_mov_ps(scale, lanes, _mm512_set1_ps(tab[(g + k) * 32 + j]));
+      }
+      for (int i = 0; i < MR; ++i) accf[i] = vfma(_mm512_cvtepi32_ps(acc[i]), scale, accf[i]);
+    }
+    for (int i = 0; i < MR; ++i) accs[i][j] = accf[i];
+  }
+  for (int i = 0; i < MR; ++i) {
+    alignas(64) float res[kHeadTile];
+    reduce(accs[i], kHeadTile, res);
+    vf sum = vload(res);
+    const float* xsum = q.xsum + i * q.G;
+    for (int64_t gg = 0; gg < q.G; ++gg) {
+      sum = vfma(vload(tab + gg * 32 + 16), _mm512_set1_ps(xsum[gg]), sum);
+    }
+    vstore(out + i * kHeadTile, _mm512_mul_ps(sum, _mm512_set1_ps(a.xscale[i])));
+  }
+}
+
+// Rows of x up to which the direct path runs: it reads the codes once for all of them, and
+// beats the transposed blocks up to 12-13 rows (qwen3-small 4-bit: 5.6 vs 7.1 ms at 12-13).
+constexpr int kDirectRows = 12;
+
+template <int BITS, int GS>
+void qhead_direct_task(void* ctx, int64_t task) {
+  const QHeadArgs& q = *static_cast<const QHeadArgs*>(ctx);
+  const HeadArgs& a = q.h;
   const int8_t* xd = a.x;
   if (BITS == 4) {  // the tile path's order (per word: 4 low-nibble bytes, 4 high) split
-    int8_t* buf = reinterpret_cast<int8_t*>(thread_buffer(1, static_cast<size_t>(a.Kp) / 4));
+    int8_t* buf =
+        reinterpret_cast<int8_t*>(thread_buffer(1, static_cast<size_t>(a.M * a.Kp) / 4));
     const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26,
                                            28, 30);
     const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
-    for (int64_t c = 0; c < chunks; ++c) {
-      const __m512i lo = _mm512_loadu_si512(a.x + 128 * c);
-      const __m512i hi = _mm512_loadu_si512(a.x + 128 * c + 64);
-      _mm512_storeu_si512(buf + 128 * c, _mm512_permutex2var_epi32(lo, even, hi));
-      _mm512_storeu_si512(buf + 128 * c + 64, _mm512_permutex2var_epi32(lo, odd, hi));
+    for (int64_t at = 0; at < a.M * a.Kp; at += 128) {
+      const __m512i lo = _mm512_loadu_si512(a.x + at), hi = _mm512_loadu_si512(a.x + at + 64);
+      _mm512_storeu_si512(buf + at, _mm512_permutex2var_epi32(lo, even, hi));
+      _mm512_storeu_si512(buf + at + 64, _mm512_permutex2var_epi32(lo, odd, hi));
     }
     xd = buf;
   }
-  const __m512i low = _mm512_set1_epi8(0x0F);
   const uint8_t* block[kHeadTile];
   int64_t base = 0;
-  qhead_run<1>(
+  qhead_run<kDirectRows>(
       q, task,
       [&](int64_t n0, const uint32_t* const* rows) {
         base = n0;
         for (int j = 0; j < kHeadTile; ++j) block[j] = reinterpret_cast<const uint8_t*>(rows[j]);
       },
-      [&](int64_t, int, float* out) {
-        const float* tab = q.table + (base / kHeadTile) * q.G * 32;
-        // The next block (16 contiguous rows) streams in while this one runs.
-        const uint8_t* next = block[0] + kHeadTile * row_bytes;
-        const bool ahead = base + 2 * kHeadTile <= a.N;
-        vf accs[kHeadTile];
-        for (int j = 0; j < kHeadTile; ++j) {
-          const uint8_t* w = block[j];
-          vf accf = vzero();
-          int64_t g = 0;
-          for (int64_t c = 0; c < chunks; g += kPerChunk) {
-            __m512i acc = _mm512_setzero_si512();
-            for (int cc = 0; cc < kChunks; ++cc, ++c) {
-              if (ahead) {
-                _mm_prefetch(reinterpret_cast<const char*>(next + j * row_bytes + 64 * c),
-                             _MM_HINT_T0);
-              }
-              const __m512i v = _mm512_loadu_si512(w + 64 * c);
-              if (BITS == 4) {
-                dpbusd(acc, _mm512_and_si512(v, low), _mm512_loadu_si512(xd + 128 * c));
-                dpbusd(acc, _mm512_and_si512(_mm512_srli_epi16(v, 4), low),
-                       _mm512_loadu_si512(xd + 128 * c + 64));
-              } else {
-                dpbusd(acc, v, _mm512_loadu_si512(xd + 64 * c));
-              }
-            }
-            vf scale = _mm512_set1_ps(tab[g * 32 + j]);
-            for (int i = 1; i < kPerChunk; ++i) {
-              const __mmask16 lanes = static_cast<__mmask16>(((1u << kLanes) - 1u) << (i * kLanes));
-              scale = _mm512_mask_mov_ps(scale, lanes, _mm512_set1_ps(tab[(g + i) * 32 + j]));
-            }
-            accf = vfma(_mm512_cvtepi32_ps(acc), scale, accf);
-          }
-          accs[j] = accf;
+      [&](int64_t, int mr, float* out) {  // one call: every row of x (M <= kDirectRows)
+        switch (mr) {
+          case 12: return qhead_direct_block<BITS, GS, 12>(q, block, base, xd, out);
+          case 11: return qhead_direct_block<BITS, GS, 11>(q, block, base, xd, out);
+          case 10: return qhead_direct_block<BITS, GS, 10>(q, block, base, xd, out);
+          case 9: return qhead_direct_block<BITS, GS, 9>(q, block, base, xd, out);
+          case 8: return qhead_direct_block<BITS, GS, 8>(q, block, base, xd, out);
+          case 7: return qhead_direct_block<BITS, GS, 7>(q, block, base, xd, out);
+          case 6: return qhead_direct_block<BITS, GS, 6>(q, block, base, xd, out);
+          case 5: return qhead_direct_block<BITS, GS, 5>(q, block, base, xd, out);
+          case 4: return qhead_direct_block<BITS, GS, 4>(q, block, base, xd, out);
+          case 3: return qhead_direct_block<BITS, GS, 3>(q, block, base, xd, out);
+          case 2: return qhead_direct_block<BITS, GS, 2>(q, block, base, xd, out);
+          default: return qhead_direct_block<BITS, GS, 1>(q, block, base, xd, out);
         }
-        alignas(64) float res[kHeadTile];
-        reduce(accs, kHeadTile, res);
-        vf sum = vload(res);
-        for (int64_t g = 0; g < q.G; ++g) {
-          sum = vfma(vload(tab + g * 32 + 16), _mm512_set1_ps(q.xsum[g]), sum);
-        }
-        vstore(out, _mm512_mul_ps(sum, _mm512_set1_ps(a.xscale[0])));
       });
 }
 
@@ -539,7 +576,7 @@ void head(const HeadArgs& a) {
 }
 
 void qhead(const QHeadArgs& a) {
-  if (a.h.M == 1) return a.bits == 4 ? qhead_direct<4>(a) : qhead_direct<8>(a);
+  if (a.h.M <= kDirectRows) return a.bits == 4 ? qhead_direct<4>(a) : qhead_direct<8>(a);
   parallel_for((a.h.N + a.h.rows_per_task - 1) / a.h.rows_per_task,
                a.bits == 4 ? qhead_task<4> : qhead_task<8>, const_cast<QHeadArgs*>(&a));
 }

@@ -23,11 +23,13 @@ path (`qhead_fast`): there the screening reads the model's own codes, so nothing
 and W carries no error of its own, only x's quantization; what is prepared is a float32 table
 of the scales and biases in 16-row blocks (the kernel applies a group's to 16 rows at once)
 and per-row norms. At 16 rows it is integer arithmetic where the quantized head's product is
-float32 FMAs on decoded weights (qwen3-small 4-bit, c = 16: 10.8 ms of a 23 ms step). At one
-row the kernel reads the codes as they lie (no transposed block), integer products in lanes
-along K: the head's 4-bit screening then takes 1.5 ms against the float product's 2.3-2.7
-(8-bit: 3.2 against 5.0-5.7). At 2 to QUANTIZED_MIN_ROWS - 1 rows the quantized head's own
-product is still the cheaper (`takes`).
+float32 FMAs on decoded weights. Up to 12 rows the kernel reads the codes as they lie (no
+transposed block), integer products in lanes along K. qwen3-small's head, the screening vs
+the float product and its argmax, ms (`python -m benchmarks.kernels.greedy_head --rows 1 2 4
+8 12 16`, AMD EPYC): 4-bit 1.9 / 3.0 at 1 row, 2.0 / 3.7 at 2, 3.1 / 5.3 at 4, 4.7 / 12.1 at
+8, 6.7 / 16.0 at 12, 7.6 / 16.6 at 16; 8-bit 2.7 / 4.7, 3.4 / 4.4, 4.1 / 6.3, 5.2 / 12.6, 7.3
+/ 15.3, 9.6 / 18.5. So the greedy head stands in at every batch size, as a float32 head's int8 screening (a quarter of
+its bytes) does.
 """
 
 from __future__ import annotations
@@ -45,14 +47,6 @@ from actors.model_runner.thread_flag import ThreadFlag
 _CHUNK = 8192  # rows of the head prepared at once (numpy temporaries stay ~100 MB)
 _K_ALIGN = 64  # the kernels read x and w in 64-byte steps
 _N_ALIGN = 16  # and the stats in tiles of 16 rows
-# From 2 to this many rows less one a quantized head's screening (its transposed blocks) costs
-# more than its product; one row takes the direct path. qwen3-small
-# (`python -m benchmarks.kernels.profile --formats 4bit 8bit --batch 1 2 4 8 16`, AMD EPYC),
-# decode step with the model's head vs with the greedy head, ms: 4-bit 5.9 / 8.5 at 1 row,
-# 7.0 / 7.9 at 2, 9.4 / 9.8 at 4, 15.6 / 13.2 at 8, 28.0 / 22.3 at 16; 8-bit 10.0 / 11.0,
-# 11.2 / 12.1, 11.7 / 13.6, 21.7 / 17.8, 32.2 / 22.5. A float32 or bf16 head's int8 screening
-# reads a quarter or half of its bytes and pays from one row (float32 at 1 row: 38.6 / 12.7).
-QUANTIZED_MIN_ROWS = 8
 
 
 class Captured:
@@ -216,12 +210,6 @@ class GreedyHead:
         self.prepared = (prepare_quantized(weight) if isinstance(weight, Quantized)
                          else prepare(weight))
         mx.eval(*(getattr(self.prepared, f) for f in self.prepared.__dataclass_fields__))
-
-    def takes(self, rows: int) -> bool:
-        """Whether the greedy head pays for a step of `rows` sampled rows."""
-        if isinstance(self.weight, Quantized):
-            return rows == 1 or rows >= QUANTIZED_MIN_ROWS
-        return rows >= 1
 
     @property
     def nbytes(self) -> int:
