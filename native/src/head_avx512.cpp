@@ -4,6 +4,8 @@
 // kernels_avx512.cpp.
 #include <immintrin.h>
 
+#include <vector>
+
 #include "avx512_base.h"
 #include "kernels.h"
 
@@ -44,6 +46,12 @@ inline void reduce16_epi32(const __m512i* v, int32_t* res) {
 inline void dpbusd(__m512i& acc, __m512i u8, __m512i s8) {
   asm("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(u8), "v"(s8));
 }
+
+// Rows of x up to which both heads read their rows of W one after another (head_dots_seq,
+// qhead_direct_block) rather than in interleaved tiles (head_dots) or transposed blocks
+// (qhead_dots): measured best to 12 (qwen3-small's head: int8 7.6 vs 8.6 ms at 12 rows,
+// 17.3 vs 13.4 at 32; 4-bit 5.6 vs 7.1 at 12-13, 9.3 vs 7.9 at 16).
+constexpr int kFewRows = 12;
 
 // Register tiles of 4 rows of W x MR rows of x: 4 + MR loads per 4 * MR instructions. A
 // kHeadTile block of W (16 x Kp bytes, contiguous) stays in L1 while every row of x runs.
@@ -91,9 +99,9 @@ void head_dots(const HeadArgs& a, const uint8_t* const* rows, int64_t m0, int32_
 
 // The tile's 16 rows of W one after another (one memory stream, as the quantized direct path
 // reads), each row's chunk loaded once for the MR rows of x, the next tile prefetched
-// alongside; each row of x's 16 sums meet in one transposing tree. Up to 12 rows of x (blocks
-// of 4) it beats head_dots' 4 rows of W interleaved (qwen3-small's head at 1 / 8 / 12 rows:
-// 2.2-2.9 / 4.7-5.3 / 7.6 ms against 3.6-3.7 / 6.4-9.2 / 8.6); at 32, 17.3 against 13.4.
+// alongside; each row of x's 16 sums meet in one transposing tree. Up to kFewRows rows of x
+// (blocks of 4) it beats head_dots' 4 rows of W interleaved (qwen3-small's head at 1 / 8 rows:
+// 2.2-2.9 / 4.7-5.3 ms against 3.6-3.7 / 6.4-9.2).
 template <int MR>
 void head_dots_seq(const HeadArgs& a, const uint8_t* const* rows, int64_t m0, int32_t* dots,
                    const uint8_t* next) {
@@ -119,7 +127,7 @@ void head_task(void* ctx, int64_t task) {
   const HeadArgs& a = *static_cast<const HeadArgs*>(ctx);
   head_run<4>(a, task, [&a](const uint8_t* const* rows, int64_t m0, int mr, int32_t* out,
                             const uint8_t* next) {
-    if (a.M <= 12) {  // beyond, re-reading each tile from L1 per 4 rows of x pays
+    if (a.M <= kFewRows) {
       switch (mr) {
         case 4: return head_dots_seq<4>(a, rows, m0, out, next);
         case 3: return head_dots_seq<3>(a, rows, m0, out, next);
@@ -261,8 +269,8 @@ void qhead_task(void* ctx, int64_t task) {
 // product). Per 64-byte chunk of a code row: vpdpbusd of its 16 words with each row of x's
 // matching bytes (4-bit: the low nibbles, then the high ones), converted and scaled by each
 // lane's group (broadcast from the table), summed in float lanes; 16 code rows' lanes meet in
-// one transposing tree per row of x. x is laid out once per task: per chunk, the 64 bytes for
-// the low nibbles, then the 64 for the high.
+// one transposing tree per row of x. 4-bit: x is laid out once per call (qhead_direct): per
+// chunk, the 64 bytes for the low nibbles, then the 64 for the high.
 template <int BITS, int GS, int MR>
 void qhead_direct_block(const QHeadArgs& q, const uint8_t* const* block, int64_t n0,
                         const int8_t* xd, float* out) {
@@ -328,37 +336,19 @@ void qhead_direct_block(const QHeadArgs& q, const uint8_t* const* block, int64_t
   }
 }
 
-// Rows of x up to which the direct path runs: it reads the codes once for all of them, and
-// beats the transposed blocks up to 12-13 rows (qwen3-small 4-bit: 5.6 vs 7.1 ms at 12-13).
-constexpr int kDirectRows = 12;
-
 template <int BITS, int GS>
 void qhead_direct_task(void* ctx, int64_t task) {
   const QHeadArgs& q = *static_cast<const QHeadArgs*>(ctx);
-  const HeadArgs& a = q.h;
-  const int8_t* xd = a.x;
-  if (BITS == 4) {  // the tile path's order (per word: 4 low-nibble bytes, 4 high) split
-    int8_t* buf =
-        reinterpret_cast<int8_t*>(thread_buffer(1, static_cast<size_t>(a.M * a.Kp) / 4));
-    const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26,
-                                           28, 30);
-    const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
-    for (int64_t at = 0; at < a.M * a.Kp; at += 128) {
-      const __m512i lo = _mm512_loadu_si512(a.x + at), hi = _mm512_loadu_si512(a.x + at + 64);
-      _mm512_storeu_si512(buf + at, _mm512_permutex2var_epi32(lo, even, hi));
-      _mm512_storeu_si512(buf + at + 64, _mm512_permutex2var_epi32(lo, odd, hi));
-    }
-    xd = buf;
-  }
+  const int8_t* xd = q.h.x;  // laid out by qhead_direct
   const uint8_t* block[kHeadTile];
   int64_t base = 0;
-  qhead_run<kDirectRows>(
+  qhead_run<kFewRows>(
       q, task,
       [&](int64_t n0, const uint32_t* const* rows) {
         base = n0;
         for (int j = 0; j < kHeadTile; ++j) block[j] = reinterpret_cast<const uint8_t*>(rows[j]);
       },
-      [&](int64_t, int mr, float* out) {  // one call: every row of x (M <= kDirectRows)
+      [&](int64_t, int mr, float* out) {  // one call: every row of x (M <= kFewRows)
         switch (mr) {
           case 12: return qhead_direct_block<BITS, GS, 12>(q, block, base, xd, out);
           case 11: return qhead_direct_block<BITS, GS, 11>(q, block, base, xd, out);
@@ -381,8 +371,23 @@ void qhead_direct(const QHeadArgs& a) {
   void (*task)(void*, int64_t) = a.group_size == 32   ? qhead_direct_task<BITS, 32>
                                  : a.group_size == 64 ? qhead_direct_task<BITS, 64>
                                                       : qhead_direct_task<BITS, 128>;
-  parallel_for((a.h.N + a.h.rows_per_task - 1) / a.h.rows_per_task, task,
-               const_cast<QHeadArgs*>(&a));
+  QHeadArgs q = a;
+  std::vector<int8_t> xd;
+  if (BITS == 4) {  // x in the transposed path's order (per word: 4 low-nibble bytes, 4 high),
+                    // split: per 128-byte chunk the low nibbles' 64 bytes, then the high ones'
+    xd.resize(static_cast<size_t>(a.h.M * a.h.Kp));
+    const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26,
+                                           28, 30);
+    const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+    for (int64_t at = 0; at < a.h.M * a.h.Kp; at += 128) {
+      const __m512i lo = _mm512_loadu_si512(a.h.x + at);
+      const __m512i hi = _mm512_loadu_si512(a.h.x + at + 64);
+      _mm512_storeu_si512(xd.data() + at, _mm512_permutex2var_epi32(lo, even, hi));
+      _mm512_storeu_si512(xd.data() + at + 64, _mm512_permutex2var_epi32(lo, odd, hi));
+    }
+    q.h.x = xd.data();
+  }
+  parallel_for((a.h.N + a.h.rows_per_task - 1) / a.h.rows_per_task, task, &q);
 }
 
 }  // namespace
@@ -393,7 +398,7 @@ void head(const HeadArgs& a) {
 }
 
 void qhead(const QHeadArgs& a) {
-  if (a.h.M <= kDirectRows) return a.bits == 4 ? qhead_direct<4>(a) : qhead_direct<8>(a);
+  if (a.h.M <= kFewRows) return a.bits == 4 ? qhead_direct<4>(a) : qhead_direct<8>(a);
   parallel_for((a.h.N + a.h.rows_per_task - 1) / a.h.rows_per_task,
                a.bits == 4 ? qhead_task<4> : qhead_task<8>, const_cast<QHeadArgs*>(&a));
 }

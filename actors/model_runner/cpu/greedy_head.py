@@ -28,8 +28,8 @@ transposed block), integer products in lanes along K. qwen3-small's head, the sc
 the float product and its argmax, ms (`python -m benchmarks.kernels.greedy_head --rows 1 2 4
 8 12 16`, AMD EPYC): 4-bit 1.9 / 3.0 at 1 row, 2.0 / 3.7 at 2, 3.1 / 5.3 at 4, 4.7 / 12.1 at
 8, 6.7 / 16.0 at 12, 7.6 / 16.6 at 16; 8-bit 2.7 / 4.7, 3.4 / 4.4, 4.1 / 6.3, 5.2 / 12.6, 7.3
-/ 15.3, 9.6 / 18.5. So the greedy head stands in at every batch size, as a float32 head's int8 screening (a quarter of
-its bytes) does.
+/ 15.3, 9.6 / 18.5. So the greedy head stands in at every batch size, as a float32 head's int8
+screening (a quarter of its bytes) does.
 """
 
 from __future__ import annotations
