@@ -209,6 +209,11 @@ class RuntimeConfig(Section):
     # exactly (actors/model_runner/cpu/greedy_head.py): the same token as the argmax of the
     # full head, at a fraction of its cost. One byte per head weight more memory.
     greedy_head: bool = True
+    # CPU only, with the compiled kernels, dense attention models on one rank: the decode
+    # forward traced once per shape by mx.compile (without fusion: the same ops, the same
+    # tokens) and replayed, instead of built op by op in Python every step
+    # (actors/model_runner/compiled_decode.py).
+    compile_decode: bool = True
     # Hybrid models (Qwen3.5, Qwen3-Next), off Metal: the gated-delta recurrence of a prompt
     # chunk in blocks of matrix products instead of one token at a time (12-15x faster per
     # layer), and the layers' short causal convolution as shifted sums instead of MLX's CPU

@@ -43,7 +43,9 @@ class MlxThread(threading.Thread):
                              kv_slots=kv_capacity(cfg, info),
                              state_slots=state_capacity(cfg, info), vocab_size=info.vocab_size,
                              eos_ids=info.eos_ids, runtime=cfg.runtime,
-                             tokenizer_dir=info.path)
+                             tokenizer_dir=info.path,
+                             # Traced on one rank: the ranks' collectives are not replayed.
+                             compile_decode=cfg.runtime.compile_decode and cfg.runner.tp == 1)
         # The scheduler sized its state slots from config.json (ModelInfo.state_layers); the
         # runner found the layers in the model itself. Serving on a disagreement would resume
         # recurrent or sliding-window layers from nothing after a prefix hit: refuse to start.

@@ -62,6 +62,9 @@ class Positions:
         self.mask: mx.array | None = None  # [n, 1, 1, width] keys each row attends to
         self.keys_per_row: mx.array | None = None  # [n] int32: the same as counts (the kernel's)
         self.width = 0  # columns of the gathered K/V: max pages x PAGE
+        # The table's width rounded up to a power of two pages: while the decode forward is
+        # compiled (compiled_decode.py), a new width is a new trace.
+        self.round_pages = False
 
     def resize(self, n: int) -> None:
         grow = n - len(self.lengths)
@@ -104,6 +107,10 @@ class Positions:
                                               .astype(np.int32))
         return self._writes[kv_heads]
 
+    def replace_writes(self, writes: dict[int, mx.array]) -> None:
+        """This step's write index per kv_heads, made elsewhere (a compiled forward's input)."""
+        self._writes = writes
+
     # -- the forward ----------------------------------------------------------------------------
 
     def prepare(self) -> None:
@@ -116,6 +123,8 @@ class Positions:
         slot = np.where(live, lengths % PAGE, 0).astype(np.int32)
         counts = np.where(live, lengths + 1, 1).astype(np.int32)
         most = max([len(self.pages[at]) for at in np.flatnonzero(live)], default=1)
+        if self.round_pages:  # the columns past a row's pages are the scratch page, masked
+            most = 1 << (most - 1).bit_length()
         table = np.zeros((n, most), np.int32)  # holes and parked rows: the scratch page
         for at in np.flatnonzero(live):
             table[at, :len(self.pages[at])] = self.pages[at]
@@ -174,6 +183,12 @@ class BatchedKV:
         self.keys, self.values = written
         self.fetched = self.gather(self.keys, p.table), self.gather(self.values, p.table)
         return self.fetched
+
+    def grow(self) -> None:
+        """reserve() from the pools themselves: room for every page handed out, before a
+        compiled forward (whose replay runs none of update_and_fetch's Python)."""
+        if self.keys is not None:
+            self.reserve(self.keys[:, :1].swapaxes(0, 1), self.values[:, :1].swapaxes(0, 1))
 
     @staticmethod
     def gather(pool: mx.array, table: mx.array) -> mx.array:

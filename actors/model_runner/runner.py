@@ -24,7 +24,9 @@ import mlx.nn as nn
 from mlx_lm.models.cache import make_prompt_cache
 
 from actors.model_runner import cpu
-from actors.model_runner.cpu import greedy_head, head
+from actors.logs import get_logger
+from actors.model_runner.compiled_decode import CompiledDecode
+from actors.model_runner.cpu import greedy_head, head, weights
 from actors.model_runner.grammar import RowMatchers, grammars_for
 from actors.model_runner.layers import Layers, classify
 from actors.model_runner.pipeline import before_host_sync
@@ -54,9 +56,11 @@ class Launched:
 class ModelRunner:
     def __init__(self, model: nn.Module, max_rows: int, kv_slots: int = 0, state_slots: int = 0,
                  vocab_size: int = 0, eos_ids: list[int] = (),
-                 runtime: RuntimeConfig = RuntimeConfig(), tokenizer_dir: str | None = None):
+                 runtime: RuntimeConfig = RuntimeConfig(), tokenizer_dir: str | None = None,
+                 compile_decode: bool | None = None):
         """tokenizer_dir: where tokenizer.json is, for constrained rows' grammars (none: a
-        constrained row is refused)."""
+        constrained row is refused). compile_decode: runtime.compile_decode unless given (the
+        actor turns it off with tensor parallelism)."""
         self.model = model
         self.layers = Layers.of(classify(model))  # first: a model it cannot serve is refused
         self.eos_ids = tuple(eos_ids)
@@ -77,6 +81,11 @@ class ModelRunner:
         self.head = greedy_head.find_head(model) if states is not None else None
         self.pools = Pools(self.layers, kv, states)
         self.rows = Rows(max_rows)
+        self.compiled = None
+        kernels = weights.compiled_kernels(runtime)
+        if (runtime.compile_decode if compile_decode is None else compile_decode) \
+                and CompiledDecode.why_not(kernels) is None:
+            self.compiled = CompiledDecode(model, self.rows.decode, kernels)
         # MLX's CPU eval runs a graph as it is queued and returns only when a few operations
         # are left: a step queued before the last one is read back would be done first, and
         # every token would reach its client a step late (a prefix hit's first token: 40 ->
@@ -232,10 +241,37 @@ class ModelRunner:
         rows, batch = self.rows.decode_rows, self.rows.decode
         inputs = self.rows.resolve_futures(joining)
         with self._head(rows) as head_out:
-            out = self.model(inputs, cache=batch.caches)
+            out = self._compiled(inputs, head_out)
+            if out is None:
+                out = self.model(inputs, cache=batch.caches)
         batch.advance()
         live = batch.live_index()  # None: no hole or parked row ran beside them
         return self._sample(rows, out, head_out, live)
+
+    def _compiled(self, inputs: mx.array, got: greedy_head.Captured | None) -> mx.array | None:
+        """The decode forward through compiled_decode.py where it takes this step, else None.
+        A forward that does not trace turns it off (logged) and leaves the step to the eager
+        forward, with everything the trace touched as it was."""
+        c = self.compiled
+        if c is None or not c.takes():
+            return None
+        batch = self.rows.decode
+        p, kv = batch.positions, batch.caches
+        saved = (p.offset, p.table, p.mask, p.keys_per_row, dict(p._writes),
+                 [(k.keys, k.values, k.fetched) for k in kv])
+        fields = None if got is None else (got.module, got.hidden, got.placeholder)
+        try:
+            return c(inputs, got)
+        except Exception as e:  # noqa: BLE001 - any failure to trace means: run it eagerly
+            p.offset, p.table, p.mask, p.keys_per_row, writes, pools = saved
+            p.replace_writes(writes)
+            for k, (keys, values, fetched) in zip(kv, pools):
+                k.keys, k.values, k.fetched = keys, values, fetched
+            if got is not None:
+                got.module, got.hidden, got.placeholder = fields
+            c.stop(repr(e))
+            get_logger().warning("runner.compiled_decode_off", reason=repr(e))
+            return None
 
     @property
     def head_input(self) -> bool:

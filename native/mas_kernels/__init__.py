@@ -54,8 +54,10 @@ set_isa = _ext.set_isa
 has_isa = _ext.has_isa
 threads = _ext.threads
 set_threads = _ext.set_threads
+set_compile_fusion = _ext.set_compile_fusion
 
 __all__ = ["affine_qmm", "argmax", "bf16_matmul", "categorical", "causal_conv",
            "decode_attention", "f32_matmul", "filter_floor", "gated_delta", "greedy_head",
            "greedy_head_quantized", "has_isa", "head_x_levels", "isa", "qhead_fast", "rms_norm",
-           "rope", "set_isa", "set_threads", "silu", "softmax", "threads"]
+           "rope", "set_compile_fusion", "set_isa", "set_threads", "silu", "softmax",
+           "threads"]

@@ -8,6 +8,7 @@
 #include <string>
 
 #include "kernels.h"
+#include "mlx/compile.h"
 #include "ops.h"
 
 namespace mx = mlx::core;
@@ -143,4 +144,14 @@ NB_MODULE(_ext, m) {
       "n"_a, "Split products across n threads (the calling thread included).");
   m.def("_set_spin", &mas::set_spin_loops, "loops"_a,
         "Benchmark knob: pause loops (~35 ns each) an idle worker polls before sleeping.");
+  // MLX's Python API can only turn compile on or off; the runner's compiled decode traces
+  // with fusion off (mode no_fuse): the replayed graph is the eager one, op for op.
+  m.def(
+      "set_compile_fusion",
+      [](bool fuse) {
+        mx::set_compile_mode(fuse ? mx::CompileMode::enabled : mx::CompileMode::no_fuse);
+      },
+      "fuse"_a,
+      "Whether mx.compile fuses element-wise ops in the traces it makes from now on (MLX's "
+      "compile mode enabled or no_fuse).");
 }

@@ -1,0 +1,127 @@
+"""The decode forward replayed by mx.compile instead of built op by op in Python every step.
+
+Why: at one request a decode step's graph (~550 nodes on qwen3-small) takes 0.8-0.9 ms of
+Python to build on an idle machine, 1.4-1.8 ms where the kernels and the other actors share
+its two cores; a compiled call replays the traced graph in 0.25-0.4 ms. With two processes
+busy beside it, the bare pipelined 4-bit step took 6.1 ms compiled against 6.8 ms built
+(/tmp-style A/B in BENCHMARKS.md's compiled-decode entry).
+
+What is traced: the model's forward over the decode batch as a function of everything that
+changes between steps: the tokens, the positions' arrays (RoPE offsets, page table, mask, keys
+per row, write index) and every layer's K/V pool. It returns the forward's output, the head's
+input where the greedy head captured it, and the pools written. The weights are constants of
+the trace. A new shape (positions, table width, pool pages) is a new trace, so the table's
+width is rounded up to a power of two pages while compiled (Positions.round_pages): a long
+generation retraces about log2(pages) times, not every 16 tokens.
+
+Bit for bit the eager forward: traced with MLX's compile mode no_fuse (mas_kernels sets it),
+so the replay runs the same primitives on the same inputs; fusion would let the C compiler
+contract a multiply and an add into one rounding.
+
+Only where every cache is the decode batch's paged K/V (dense attention models), on one
+rank, with the compiled kernels built (for the mode switch). A step that cannot trace (some
+part of the forward reads a value back, say) turns it off for the runner, logged once by the
+caller, and runs eagerly; the step itself never fails for it.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Callable
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from actors.model_runner.cpu import greedy_head
+from actors.model_runner.decode_batch import BatchedKV, DecodeBatch
+
+PLAIN, REPLACE, KEEP = "plain", "replace", "keep"  # the head: none captured, greedy, kept
+
+
+class CompiledDecode:
+    def __init__(self, model: nn.Module, batch: DecodeBatch, kernels: Any):
+        self.model, self.batch, self.kernels = model, batch, kernels
+        self._fns: dict[str, Callable] = {}  # per head mode (a different graph each)
+        self._head_module: dict[str, Any] = {}
+        self.off: str | None = None  # why it stopped, once it did
+        self.calls = 0
+        self.traces = 0  # forwards traced (each new shape and head mode)
+        self._got: greedy_head.Captured | None = None  # the head context of the call
+        batch.positions.round_pages = True
+
+    @staticmethod
+    def why_not(kernels: Any) -> str | None:
+        if kernels is None or not hasattr(kernels, "set_compile_fusion"):
+            return "the compiled kernels are not built"
+        if os.environ.get("MLX_DISABLE_COMPILE"):
+            return "MLX_DISABLE_COMPILE is set"
+        return None
+
+    def stop(self, why: str) -> None:
+        self.off = why
+        self._fns.clear()  # their traces go with them
+        self.batch.positions.round_pages = False
+
+    def takes(self) -> bool:
+        """Whether this step's decode forward can run compiled."""
+        caches = self.batch.caches
+        return (self.off is None and bool(caches)
+                and all(isinstance(c, BatchedKV) and c.keys is not None for c in caches))
+
+    def __call__(self, inputs: mx.array, got: greedy_head.Captured | None) -> mx.array:
+        """The forward's output for `inputs` [positions, 1], as self.model(inputs,
+        cache=batch.caches) inside the runner's head context would give it, `got` filled."""
+        mode = PLAIN if got is None else REPLACE if got.replace else KEEP
+        kv: list[BatchedKV] = self.batch.caches
+        p = self.batch.positions
+        for c in kv:
+            c.grow()  # reserve's Python does not run in a replay
+        heads = sorted({c.keys.shape[0] for c in kv})
+        writes = [p.writes(h) for h in heads]
+        pools = [a for c in kv for a in (c.keys, c.values)]
+        fn = self._fns.get(mode)
+        if fn is None:
+            fn = self._fns[mode] = mx.compile(self._traced(mode, heads))
+        self._got = got
+        step = (p.offset, p.table, p.mask, p.keys_per_row)
+        self.kernels.set_compile_fusion(False)
+        try:
+            outs = fn(inputs, *step, *writes, *pools)
+        finally:
+            self.kernels.set_compile_fusion(True)
+            self._got = None
+            # A trace left its placeholders where the forward reads: the step's own arrays.
+            p.offset, p.table, p.mask, p.keys_per_row = step
+            p.replace_writes(dict(zip(heads, writes)))
+        self.calls += 1
+        out, rest = outs[0], outs[1:]
+        if mode != PLAIN:
+            got.module, got.hidden, rest = self._head_module[mode], rest[0], rest[1:]
+            if mode == REPLACE:
+                got.placeholder = out
+        for c, k, v in zip(kv, rest[0::2], rest[1::2]):
+            c.keys, c.values, c.fetched = k, v, None
+        return out
+
+    def _traced(self, mode: str, heads: list[int]) -> Callable:
+        batch, model = self.batch, self.model
+
+        def forward(tokens, offset, table, mask, counts, *arrays):
+            self.traces += 1
+            p, kv = batch.positions, batch.caches
+            writes, pools = arrays[:len(heads)], arrays[len(heads):]
+            p.offset, p.table, p.mask, p.keys_per_row = offset, table, mask, counts
+            p.replace_writes(dict(zip(heads, writes)))
+            for c, k, v in zip(kv, pools[0::2], pools[1::2]):
+                c.keys, c.values = k, v
+            out = model(tokens, cache=kv)
+            written = [a for c in kv for a in (c.keys, c.values)]
+            if mode == PLAIN:
+                return [out, *written]
+            got = self._got
+            if got.hidden is None or (mode == REPLACE and out is not got.placeholder):
+                raise ValueError("the model's output is not its LM head's")
+            self._head_module[mode] = got.module
+            return [out, got.hidden, *written]
+
+        return forward
