@@ -199,7 +199,10 @@ async def serve(shell: Shell) -> None:
     shell.log.info("runner.blas", **installed.log_fields())
     shell.log.info("runner.weights", **installed.weights.log_fields())
     shell.log.info("runner.ready", max_running_requests=shell.cfg.scheduler.max_running_requests,
-                   kv_slots=kv_capacity(shell.cfg, shell.model), why=shell.model.sizing or None)
+                   kv_slots=kv_capacity(shell.cfg, shell.model), why=shell.model.sizing or None,
+                   # Whether decode forwards may run compiled (compiled_decode.py); a model
+                   # whose caches are not all paged K/V still runs them eagerly.
+                   compiled_decode=mlx.runner.compiled is not None)
     if installed.weights.missing:
         shell.log.warning("runner.kernels_missing", reason=installed.weights.missing,
                           fallback="jit")

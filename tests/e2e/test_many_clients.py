@@ -5,6 +5,7 @@ tokens still mlx_lm.generate's."""
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import re
 import urllib.request
 
@@ -89,6 +90,8 @@ def test_the_ready_line_runner_log_and_metrics_say_how_many_run_and_why(graph):
     value = sized["max_running_requests"]
     ready = graph.wait_for("runner.ready")[0]
     assert ready["max_running_requests"] == value and ready["why"] == sized["why"]
+    # The dense built-in decodes compiled wherever the kernels are built (compiled_decode.py).
+    assert ready["compiled_decode"] == (importlib.util.find_spec("mas_kernels") is not None)
     assert re.search(r"KV pool holds \d+ requests of 2048 tokens", sized["why"])
     rates = sized["decode_tok_s_by_rows"]
     assert rates and all(r > 0 for r in rates.values())
