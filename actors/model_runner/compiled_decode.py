@@ -20,8 +20,8 @@ contract a multiply and an add into one rounding.
 
 Only where every cache is the decode batch's paged K/V (dense attention models), on one
 rank, with the compiled kernels built (for the mode switch). A step that cannot trace (some
-part of the forward reads a value back, say) turns it off for the runner, logged once by the
-caller, and runs eagerly; the step itself never fails for it.
+part of the forward reads a value back, say) turns it off for the runner, logged once
+(`runner.compiled_decode_off`), and runs eagerly; the step itself never fails for it.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from typing import Any, Callable
 import mlx.core as mx
 import mlx.nn as nn
 
+from actors.logs import get_logger
 from actors.model_runner.cpu import greedy_head
 from actors.model_runner.decode_batch import BatchedKV, DecodeBatch
 
@@ -68,9 +69,13 @@ class CompiledDecode:
         return (self.off is None and bool(caches)
                 and all(isinstance(c, BatchedKV) and c.keys is not None for c in caches))
 
-    def __call__(self, inputs: mx.array, got: greedy_head.Captured | None) -> mx.array:
+    def __call__(self, inputs: mx.array, got: greedy_head.Captured | None) -> mx.array | None:
         """The forward's output for `inputs` [positions, 1], as self.model(inputs,
-        cache=batch.caches) inside the runner's head context would give it, `got` filled."""
+        cache=batch.caches) inside the runner's head context would give it, `got` filled; None
+        where the step is the eager forward's: it does not take it, or it failed to trace,
+        which turns it off (logged) with everything the trace touched as it was."""
+        if not self.takes():
+            return None
         mode = PLAIN if got is None else REPLACE if got.replace else KEEP
         kv: list[BatchedKV] = self.batch.caches
         p = self.batch.positions
@@ -79,14 +84,23 @@ class CompiledDecode:
         heads = sorted({c.keys.shape[0] for c in kv})
         writes = [p.writes(h) for h in heads]
         pools = [a for c in kv for a in (c.keys, c.values)]
+        step = (p.offset, p.table, p.mask, p.keys_per_row)
+        head = None if got is None else (got.module, got.hidden, got.placeholder)
         fn = self._fns.get(mode)
         if fn is None:
             fn = self._fns[mode] = mx.compile(self._traced(mode, heads))
         self._got = got
-        step = (p.offset, p.table, p.mask, p.keys_per_row)
         self.kernels.set_compile_fusion(False)
         try:
             outs = fn(inputs, *step, *writes, *pools)
+        except Exception as e:  # noqa: BLE001 - any failure to trace means: run it eagerly
+            for c, k, v in zip(kv, pools[0::2], pools[1::2]):
+                c.keys, c.values, c.fetched = k, v, None
+            if got is not None:
+                got.module, got.hidden, got.placeholder = head
+            self.stop(repr(e))
+            get_logger().warning("runner.compiled_decode_off", reason=repr(e))
+            return None
         finally:
             self.kernels.set_compile_fusion(True)
             self._got = None

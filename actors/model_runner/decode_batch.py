@@ -186,8 +186,9 @@ class BatchedKV:
 
     def grow(self) -> None:
         """reserve() from the pools themselves: room for every page handed out, before a
-        compiled forward (whose replay runs none of update_and_fetch's Python)."""
-        if self.keys is not None:
+        compiled forward (whose replay runs none of update_and_fetch's Python). Every step:
+        the like-arrays are built only when the pool is short."""
+        if self.keys is not None and self.keys.shape[1] < self.positions.capacity:
             self.reserve(self.keys[:, :1].swapaxes(0, 1), self.values[:, :1].swapaxes(0, 1))
 
     @staticmethod

@@ -24,7 +24,6 @@ import mlx.nn as nn
 from mlx_lm.models.cache import make_prompt_cache
 
 from actors.model_runner import cpu
-from actors.logs import get_logger
 from actors.model_runner.compiled_decode import CompiledDecode
 from actors.model_runner.cpu import greedy_head, head, weights
 from actors.model_runner.grammar import RowMatchers, grammars_for
@@ -241,37 +240,12 @@ class ModelRunner:
         rows, batch = self.rows.decode_rows, self.rows.decode
         inputs = self.rows.resolve_futures(joining)
         with self._head(rows) as head_out:
-            out = self._compiled(inputs, head_out)
-            if out is None:
+            out = None if self.compiled is None else self.compiled(inputs, head_out)
+            if out is None:  # not compiled in this step
                 out = self.model(inputs, cache=batch.caches)
         batch.advance()
         live = batch.live_index()  # None: no hole or parked row ran beside them
         return self._sample(rows, out, head_out, live)
-
-    def _compiled(self, inputs: mx.array, got: greedy_head.Captured | None) -> mx.array | None:
-        """The decode forward through compiled_decode.py where it takes this step, else None.
-        A forward that does not trace turns it off (logged) and leaves the step to the eager
-        forward, with everything the trace touched as it was."""
-        c = self.compiled
-        if c is None or not c.takes():
-            return None
-        batch = self.rows.decode
-        p, kv = batch.positions, batch.caches
-        saved = (p.offset, p.table, p.mask, p.keys_per_row, dict(p._writes),
-                 [(k.keys, k.values, k.fetched) for k in kv])
-        fields = None if got is None else (got.module, got.hidden, got.placeholder)
-        try:
-            return c(inputs, got)
-        except Exception as e:  # noqa: BLE001 - any failure to trace means: run it eagerly
-            p.offset, p.table, p.mask, p.keys_per_row, writes, pools = saved
-            p.replace_writes(writes)
-            for k, (keys, values, fetched) in zip(kv, pools):
-                k.keys, k.values, k.fetched = keys, values, fetched
-            if got is not None:
-                got.module, got.hidden, got.placeholder = fields
-            c.stop(repr(e))
-            get_logger().warning("runner.compiled_decode_off", reason=repr(e))
-            return None
 
     @property
     def head_input(self) -> bool:
