@@ -382,7 +382,9 @@ class DecodeBatch:
         while self.slots and self.slots[-1] is None:
             self.slots.pop()
         if not self.slots:
+            round_pages = self.positions.round_pages  # the runner's choice, not a buffer
             self.__init__()  # empty: every buffer goes
+            self.positions.round_pages = round_pages
             return
         holes = self.slots.count(None)
         if holes and (not self.holes_ok or 2 * holes > len(self.slots)):
