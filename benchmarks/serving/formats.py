@@ -6,6 +6,7 @@ ratios from one run are compared).
     python -m benchmarks.serving.formats [--model qwen3-small] [--formats f32 8bit 4bit bf16]
         [--model-path DIR [DIR ...]] [--concurrency 1 16] [--prompt-tokens 128]
         [--output-tokens 64] [--waves 1] [--skip-mlx-lm] [--mlx-lm-formats 4bit ...]
+        [--client openai|lean]
         [--json docs/bench/formats.json] [--markdown BENCHMARKS.md]
 
 Each checkpoint in turn: our graph, then mlx_lm.server, each alone on the machine, driven
@@ -53,6 +54,8 @@ TARGETS = [
     ("bf16", "vs_f32", "lo", ">=", 1.0), ("bf16", "vs_f32", "hi", ">=", 1.0),
     ("f32", "vs_mlx_lm", "hi", ">=", 2.0), ("f32", "vs_mlx_lm", "lo", ">=", 1.1),
 ]  # fmt: skip
+_CLIENTS = {"openai": "official `openai` client",
+            "lean": "lean client (`benchmarks/serving/lean_client.py`)"}
 _TARGET_TEXT = {"vs_f32": "c={c} output tok/s {op} {need}x float32's",
                 "vs_mlx_lm": "c={c} output tok/s {op} {need}x mlx_lm.server's (same checkpoint)",
                 "rss_vs_f32": "runner RSS {op} {need}x float32's"}
@@ -187,13 +190,14 @@ def make_prompts(model_dir: str, args: argparse.Namespace) -> dict[int, list[str
 
 
 async def sweep(target: Target, prompts: dict[int, list[str]], output_tokens: int,
-                bar: tqdm, label: str) -> dict[str, Any]:
+                bar: tqdm, label: str, client: str) -> dict[str, Any]:
     done = lambda: bar.update(1)  # noqa: E731
-    await closed_loop(target, prompts[0], 1, 8, done)
+    await closed_loop(target, prompts[0], 1, 8, done, client_kind=client)
     levels = []
     for c in (c for c in prompts if c):
         bar.set_postfix_str(f"{label}, {target.name}, c={c}")
-        samples, wall = await closed_loop(target, prompts[c], c, output_tokens, done)
+        samples, wall = await closed_loop(target, prompts[c], c, output_tokens, done,
+                                          client_kind=client)
         levels.append(summarize(samples, wall, c))
     return {"sweep": levels}
 
@@ -211,7 +215,7 @@ def serve(entry: dict[str, Any], args: argparse.Namespace, prompts: dict[int, li
     bar.set_postfix_str(f"{label}, starting {OURS}")
     with ours(path, args.blas, args.set) as target:
         entry["servers"][OURS] = asyncio.run(sweep(target, prompts, args.output_tokens, bar,
-                                                   label))
+                                                   label, args.client))
         entry["runner"] = runner_memory()
     if wants_mlx_lm(args, entry):
         from models.info import read_model_info
@@ -219,7 +223,7 @@ def serve(entry: dict[str, Any], args: argparse.Namespace, prompts: dict[int, li
         bar.set_postfix_str(f"{label}, starting {THEIRS}")
         with mlx_lm_server(path, args.blas, read_model_info(path).eos_ids) as target:
             entry["servers"][THEIRS] = asyncio.run(sweep(target, prompts, args.output_tokens,
-                                                         bar, label))
+                                                         bar, label, args.client))
 
 
 # ---- ratios and targets (pure: results in, numbers out) ----
@@ -278,7 +282,8 @@ def markdown(results: dict[str, Any], json_path: Path, md_path: Path) -> str:
         f"cores, {m['system']}, Python {m['python']}. Model `{results['model']}`, BLAS "
         f"`{os.path.basename(str(results['blas']))}` for both servers. Prompts of "
         f"{results['prompt_tokens']} tokens, exactly {results['output_tokens']} output tokens, "
-        f"greedy, {results['waves']} wave(s) of `c` requests per level. Memory bandwidth "
+        f"greedy, {results['waves']} wave(s) of `c` requests per level, streamed by the "
+        f"{_CLIENTS[results.get('client', 'openai')]}. Memory bandwidth "
         f"{results['bandwidth_bytes_s'] / 1e9:.1f} GB/s (numpy sum over 1 GiB, best of 3); the "
         "c=1 ceiling is that over the weight bytes a decode step reads (tied embeddings once). "
         f"Runner RSS after the sweep. Raw numbers: `{_rel(json_path, md_path)}`.", "",
@@ -342,6 +347,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--mlx-lm-formats", nargs="+", default=[],
                    help="formats (or checkpoint names) mlx_lm.server runs; default: all")
     p.add_argument("--set", action="append", default=[], help="launch --set for our server")
+    p.add_argument("--client", choices=["openai", "lean"], default="openai",
+                   help="the streaming client of both servers (load.py): the official openai "
+                        "one, or lean_client.py's, a tenth of its CPU on the shared cores")
     p.add_argument("--json", default=str(ROOT / "docs" / "bench" / "formats.json"))
     p.add_argument("--markdown", default=str(ROOT / "BENCHMARKS.md"))
     return p.parse_args(argv)
@@ -367,7 +375,8 @@ def main(argv: list[str] | None = None) -> int:
         "machine": machine(), "model": " ".join(args.model_path) or args.model,
         "blas": blas.find(args.blas) or "bundled", "prompt_tokens": args.prompt_tokens,
         "output_tokens": args.output_tokens, "concurrency": args.concurrency,
-        "waves": args.waves, "bandwidth_bytes_s": bytes_s, "formats": entries}
+        "waves": args.waves, "client": args.client, "bandwidth_bytes_s": bytes_s,
+        "formats": entries}
     prompts = make_prompts(entries[0]["path"], args)  # one model: one tokenizer
     per_server = sum(len(v) for v in prompts.values())
     total = sum(per_server * (1 + wants_mlx_lm(args, e)) for e in entries)

@@ -2,7 +2,8 @@
 streaming client that records, per request, when it was sent and when each chunk arrived.
 
 Both servers get the same prompts through the same OpenAI streaming endpoint
-(/v1/completions) with the official `openai` client, so client costs are the same for both.
+(/v1/completions) with the same client, so client costs are the same for both: the official
+`openai` client, or (client="lean") lean_client.py's, which takes a tenth of the CPU.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import openai
+
+from benchmarks.serving.lean_client import stream_completion
 
 
 class PromptMaker:
@@ -104,21 +107,57 @@ async def one(client: openai.AsyncOpenAI, target: Target, prompt: str, max_token
     return sample
 
 
+async def one_lean(target: Target, prompt: str, max_tokens: int,
+                   first: Callable[[], None] = lambda: None) -> Sample:
+    """one(), through lean_client.py: the same request, the same record."""
+    sample = Sample(sent=time.perf_counter())
+
+    def on_event(event: dict[str, Any], now: float) -> None:
+        choices = event.get("choices")
+        if choices and choices[0].get("text"):
+            sample.chunks.append(now)
+            if len(sample.chunks) == 1:
+                first()
+        if usage := event.get("usage"):
+            sample.tokens, sample.prompt_tokens = (usage["completion_tokens"],
+                                                   usage["prompt_tokens"])
+            details = usage.get("prompt_tokens_details") or {}
+            sample.cached_tokens = details.get("cached_tokens") or 0
+
+    body = {"model": target.model, "prompt": prompt, "max_tokens": max_tokens,
+            "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True},
+            **target.extra}
+    try:
+        await stream_completion(target.base_url, body, on_event)
+    except Exception as e:  # recorded, reported, never hidden
+        sample.error = repr(e)
+    sample.ended = time.perf_counter()
+    if not sample.tokens:
+        sample.tokens = len(sample.chunks)
+    return sample
+
+
 async def closed_loop(target: Target, prompts: list[str], concurrency: int, max_tokens: int,
                       done: Callable[[], None] = lambda: None,
                       worker_target: Callable[[int], Target] | None = None,
-                      ) -> tuple[list[Sample], float]:
+                      client_kind: str = "openai") -> tuple[list[Sample], float]:
     """`concurrency` workers take the prompts in order, each sending its next request when the
     last one ends. Returns the samples (prompt order) and the wall time of the whole run.
-    worker_target(w): what worker w sends (its extra body fields), if not `target`."""
-    client = target.client()
+    worker_target(w): what worker w sends (its extra body fields), if not `target`.
+    client_kind: "openai" (the official client) or "lean" (lean_client.py)."""
+    if client_kind not in ("openai", "lean"):
+        raise ValueError(f"client_kind is 'openai' or 'lean', not {client_kind!r}")
+    client = target.client() if client_kind == "openai" else None
     samples: list[Sample | None] = [None] * len(prompts)
     queue = iter(range(len(prompts)))
 
     async def worker(w: int) -> None:
         sends = target if worker_target is None else worker_target(w)
         for k in queue:
-            samples[k] = await one(client, sends, prompts[k], max_tokens)
+            if client_kind == "lean":
+                samples[k] = await one_lean(sends, prompts[k], max_tokens)
+            else:
+                samples[k] = await one(client, sends, prompts[k], max_tokens)
             done()
 
     # The client's own cyclic garbage (an event loop, an openai client, httpx and pydantic
@@ -132,7 +171,8 @@ async def closed_loop(target: Target, prompts: list[str], concurrency: int, max_
         wall = time.perf_counter() - start
     finally:
         gc.enable()
-    await client.close()
+    if client is not None:
+        await client.close()
     gc.collect()
     return samples, wall
 

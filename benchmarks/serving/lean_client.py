@@ -1,0 +1,79 @@
+"""A streaming /v1/completions client that costs the machine as little as it can: HTTP/1.1 over
+an asyncio stream, the server-sent events split by hand, each event one `json.loads`.
+
+Why: on the 2-core machine the benchmark's client shares the cores with the server it
+measures. The official `openai` client spends ~0.9 ms of CPU per streamed token (httpx, one
+pydantic object per event), as much as our tokenizer, scheduler and detokenizer together at
+c = 1, so the faster a server streams, the more of its cores the client takes. This one
+spends about a tenth of that. It is a measuring instrument, not a user's client (the e2e tests
+keep the official one); `load.closed_loop(client="lean")` picks it, the same for every server
+in a run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from typing import Any, Callable
+from urllib.parse import urlsplit
+
+
+class HttpError(Exception):
+    pass
+
+
+async def stream_completion(base_url: str, body: dict[str, Any],
+                            on_event: Callable[[dict[str, Any], float], None]) -> None:
+    """POST body to {base_url}/completions and call on_event(event, arrival time) for each
+    `data:` event of the stream, up to [DONE]."""
+    url = urlsplit(base_url)
+    reader, writer = await asyncio.open_connection(url.hostname, url.port or 80)
+    try:
+        payload = json.dumps(body).encode()
+        writer.write(b"POST %s/completions HTTP/1.1\r\nHost: %s\r\nContent-Type: "
+                     b"application/json\r\nAccept: text/event-stream\r\nContent-Length: %d"
+                     b"\r\nConnection: close\r\n\r\n" % (url.path.rstrip("/").encode(),
+                                                         url.netloc.encode(), len(payload))
+                     + payload)
+        await writer.drain()
+        status = await reader.readline()
+        if b" 200 " not in status:
+            raise HttpError(status.decode(errors="replace").strip()
+                            + " " + (await reader.read(2000)).decode(errors="replace"))
+        chunked = False
+        while (line := await reader.readline()) not in (b"\r\n", b"\n", b""):
+            name, _, value = line.partition(b":")
+            if name.strip().lower() == b"transfer-encoding" and b"chunked" in value.lower():
+                chunked = True
+        pending = b""
+        async for data in (_chunks(reader) if chunked else _raw(reader)):
+            now = time.perf_counter()
+            pending += data
+            *events, pending = pending.replace(b"\r\n", b"\n").split(b"\n\n")
+            for event in events:
+                for line in event.split(b"\n"):
+                    if not line.startswith(b"data:"):
+                        continue
+                    text = line[5:].strip()
+                    if text == b"[DONE]":
+                        return
+                    on_event(json.loads(text), now)
+    finally:
+        writer.close()
+
+
+async def _raw(reader: asyncio.StreamReader):
+    while data := await reader.read(65536):
+        yield data
+
+
+async def _chunks(reader: asyncio.StreamReader):
+    """The body of a chunked transfer encoding, chunk by chunk."""
+    while True:
+        size = int((await reader.readline()).split(b";")[0].strip() or b"0", 16)
+        if size == 0:
+            return
+        data = await reader.readexactly(size)
+        await reader.readexactly(2)  # the CRLF after each chunk
+        yield data
