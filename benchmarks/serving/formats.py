@@ -349,7 +349,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--set", action="append", default=[], help="launch --set for our server")
     p.add_argument("--client", choices=["openai", "lean"], default="openai",
                    help="the streaming client of both servers (load.py): the official openai "
-                        "one, or lean_client.py's, a tenth of its CPU on the shared cores")
+                        "one, or lean_client.py's, a third of its CPU on the shared cores")
     p.add_argument("--json", default=str(ROOT / "docs" / "bench" / "formats.json"))
     p.add_argument("--markdown", default=str(ROOT / "BENCHMARKS.md"))
     return p.parse_args(argv)

@@ -3,7 +3,7 @@ streaming client that records, per request, when it was sent and when each chunk
 
 Both servers get the same prompts through the same OpenAI streaming endpoint
 (/v1/completions) with the same client, so client costs are the same for both: the official
-`openai` client, or (client="lean") lean_client.py's, which takes a tenth of the CPU.
+`openai` client, or (client="lean") lean_client.py's, which takes a third of its CPU.
 """
 
 from __future__ import annotations
