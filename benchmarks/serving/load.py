@@ -85,26 +85,21 @@ async def one(client: openai.AsyncOpenAI, target: Target, prompt: str, max_token
               first: Callable[[], None] = lambda: None) -> Sample:
     """One streamed request; `first` is called when its first content chunk arrives."""
     sample = Sample(sent=time.perf_counter())
-    try:
+
+    async def run() -> None:
         stream = await client.completions.create(
             model=target.model, prompt=prompt, max_tokens=max_tokens, temperature=0.0,
             stream=True, stream_options={"include_usage": True}, extra_body=target.extra)
         async for chunk in stream:
             now = time.perf_counter()
             if chunk.choices and chunk.choices[0].text:
-                sample.chunks.append(now)
-                if len(sample.chunks) == 1:
-                    first()
+                _content(sample, now, first)
             if usage := getattr(chunk, "usage", None):
-                sample.tokens, sample.prompt_tokens = usage.completion_tokens, usage.prompt_tokens
                 details = getattr(usage, "prompt_tokens_details", None)
+                sample.tokens, sample.prompt_tokens = usage.completion_tokens, usage.prompt_tokens
                 sample.cached_tokens = (details.cached_tokens or 0) if details else 0
-    except Exception as e:  # recorded, reported, never hidden
-        sample.error = repr(e)
-    sample.ended = time.perf_counter()
-    if not sample.tokens:
-        sample.tokens = len(sample.chunks)
-    return sample
+
+    return await _recorded(sample, run())
 
 
 async def one_lean(target: Target, prompt: str, max_tokens: int,
@@ -115,20 +110,29 @@ async def one_lean(target: Target, prompt: str, max_tokens: int,
     def on_event(event: dict[str, Any], now: float) -> None:
         choices = event.get("choices")
         if choices and choices[0].get("text"):
-            sample.chunks.append(now)
-            if len(sample.chunks) == 1:
-                first()
+            _content(sample, now, first)
         if usage := event.get("usage"):
+            details = usage.get("prompt_tokens_details") or {}
             sample.tokens, sample.prompt_tokens = (usage["completion_tokens"],
                                                    usage["prompt_tokens"])
-            details = usage.get("prompt_tokens_details") or {}
             sample.cached_tokens = details.get("cached_tokens") or 0
 
     body = {"model": target.model, "prompt": prompt, "max_tokens": max_tokens,
             "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True},
             **target.extra}
+    return await _recorded(sample, stream_completion(target.base_url, body, on_event))
+
+
+def _content(sample: Sample, now: float, first: Callable[[], None]) -> None:
+    sample.chunks.append(now)
+    if len(sample.chunks) == 1:
+        first()
+
+
+async def _recorded(sample: Sample, streaming: Any) -> Sample:
+    """Await the request's streaming into `sample`; its error recorded, its end stamped."""
     try:
-        await stream_completion(target.base_url, body, on_event)
+        await streaming
     except Exception as e:  # recorded, reported, never hidden
         sample.error = repr(e)
     sample.ended = time.perf_counter()
