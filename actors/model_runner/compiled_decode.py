@@ -10,8 +10,8 @@ What is traced: the model's forward over the decode batch as a function of every
 changes between steps: the tokens, the positions' arrays (RoPE offsets, page table, mask, keys
 per row, write index), every attention layer's K/V pool and every recurrent layer's state
 parts (a hybrid model's conv windows and SSM states). It returns the forward's output, the
-head's input where the greedy head captured it, and the pools and states written. The weights are constants of
-the trace. A new shape (positions, table width, pool pages) is a new trace, so the table's
+head's input where the greedy head captured it, and the pools and states written. The weights
+are constants of the trace. A new shape (positions, table width, pool pages) is a new trace, so the table's
 width is rounded up to a power of two pages while compiled (Positions.round_pages): a long
 generation retraces about log2(pages) times, not every 16 tokens.
 
@@ -21,8 +21,9 @@ contract a multiply and an add into one rounding.
 
 Only where every cache is the decode batch's paged K/V or its batched recurrent state (dense
 and hybrid models, not sliding windows), on one rank, with the compiled kernels built (for the
-mode switch). A hybrid step builds about twice the nodes of a dense one (qwen3_5-small at one
-row: 2.0 ms of Python on an idle machine against a 13.3 ms step). A step that cannot trace (some
+mode switch). A hybrid step's eager build takes 2.4-2.6 ms of Python at one row of
+qwen3_5-small (a 13.3 ms step), 2.0-2.2 compiled; served, within noise either way, but the
+same path for every model the decode batch holds in its own layout. A step that cannot trace (some
 part of the forward reads a value back, say) turns it off for the runner, logged once
 (`runner.compiled_decode_off`), and runs eagerly; the step itself never fails for it.
 """
@@ -38,6 +39,7 @@ import mlx.nn as nn
 from actors.logs import get_logger
 from actors.model_runner.cpu import greedy_head
 from actors.model_runner.decode_batch import BatchedKV, BatchedStates, DecodeBatch
+from protocol.messages import LAYER_FULL, LAYER_RECURRENT
 
 PLAIN, REPLACE, KEEP = "plain", "replace", "keep"  # the head: none captured, greedy, kept
 
@@ -54,11 +56,17 @@ class CompiledDecode:
         batch.positions.round_pages = True
 
     @staticmethod
-    def why_not(kernels: Any) -> str | None:
+    def why_not(kernels: Any, kinds: list[str] = ()) -> str | None:
+        """Why the runner cannot compile its decode forward, or None; `kinds`: the model's
+        layer kinds (layers.py)."""
         if kernels is None or not hasattr(kernels, "set_compile_fusion"):
             return "the compiled kernels are not built"
         if os.environ.get("MLX_DISABLE_COMPILE"):
             return "MLX_DISABLE_COMPILE is set"
+        # Sliding windows and other caches batch as mlx-lm's merged caches, whose Python reads
+        # values: such a model never traces, and page rounding would only widen its tables.
+        if any(k not in (LAYER_FULL, LAYER_RECURRENT) for k in kinds):
+            return "a layer keeps a cache other than full attention or a recurrent state"
         return None
 
     def stop(self, why: str) -> None:
@@ -119,11 +127,9 @@ class CompiledDecode:
             got.module, got.hidden, rest = self._head_module[mode], rest[0], rest[1:]
             if mode == REPLACE:
                 got.placeholder = out
-        for c, k, v in zip(kv, rest[0::2], rest[1::2]):
-            c.keys, c.values, c.fetched = k, v, None
-        rest = rest[2 * len(kv):]
-        for c in recurrent:
-            c.cache, rest = list(rest[:len(c.cache)]), rest[len(c.cache):]
+        _place(kv, recurrent, rest)
+        for c in kv:
+            c.fetched = None
         return out
 
     def _traced(self, mode: str, heads: list[int]) -> Callable:
@@ -134,14 +140,10 @@ class CompiledDecode:
             p = batch.positions
             kv = [c for c in batch.caches if isinstance(c, BatchedKV)]
             recurrent = [c for c in batch.caches if isinstance(c, BatchedStates)]
-            writes, rest = arrays[:len(heads)], arrays[len(heads):]
+            writes = arrays[:len(heads)]
             p.offset, p.table, p.mask, p.keys_per_row = offset, table, mask, counts
             p.replace_writes(dict(zip(heads, writes)))
-            for c, k, v in zip(kv, rest[0::2], rest[1::2]):
-                c.keys, c.values = k, v
-            rest = rest[2 * len(kv):]
-            for c in recurrent:  # a new list: the step's own stays for a failed trace
-                c.cache, rest = list(rest[:len(c.cache)]), rest[len(c.cache):]
+            _place(kv, recurrent, arrays[len(heads):])
             out = model(tokens, cache=batch.caches)
             written = [a for c in kv for a in (c.keys, c.values)]
             written += [a for c in recurrent for a in c.cache]
@@ -154,6 +156,20 @@ class CompiledDecode:
             return [out, got.hidden, *written]
 
         return forward
+
+
+def _place(kv: list[BatchedKV], recurrent: list[BatchedStates], arrays: Any) -> None:
+    """Hand the layers their arrays, laid out as the trace takes and returns them: each K/V
+    pool's keys and values, then each recurrent layer's parts. A recurrent layer gets a new
+    list: the step's own list stays as it was, for a trace that fails."""
+    pools, states = arrays[:2 * len(kv)], arrays[2 * len(kv):]
+    for i, c in enumerate(kv):
+        c.keys, c.values = pools[2 * i], pools[2 * i + 1]
+    for c in recurrent:
+        n = len(c.cache)
+        c.cache, states = list(states[:n]), states[n:]
+    if len(states):
+        raise ValueError(f"{len(states)} arrays left over after placing the layers' caches")
 
 
 def _traceable(cache: Any) -> bool:

@@ -83,7 +83,7 @@ class ModelRunner:
         self.compiled = None
         kernels = weights.compiled_kernels(runtime)
         if (runtime.compile_decode if compile_decode is None else compile_decode) \
-                and CompiledDecode.why_not(kernels) is None:
+                and CompiledDecode.why_not(kernels, self.layers.kinds) is None:
             self.compiled = CompiledDecode(model, self.rows.decode, kernels)
         # MLX's CPU eval runs a graph as it is queued and returns only when a few operations
         # are left: a step queued before the last one is read back would be done first, and

@@ -1,5 +1,7 @@
 """A streaming /v1/completions client that costs the machine as little as it can: HTTP/1.1 over
-an asyncio stream, the server-sent events split by hand, each event one `json.loads`.
+an asyncio stream, the server-sent events split by hand, each event one `json.loads`. Events
+are what our server and mlx_lm.server send: one `data:` line each, LF or CRLF line ends; a
+stream that ends before its `data: [DONE]` is an error, as it is to the openai client.
 
 Why: on the 2-core machine the benchmark's client shares the cores with the server it
 measures. The official `openai` client spends 0.65-0.7 ms of CPU per streamed token (httpx,
@@ -14,6 +16,7 @@ instrument, not a user's client (the e2e tests keep the official one);
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 from typing import Any, Callable
@@ -39,7 +42,7 @@ async def stream_completion(base_url: str, body: dict[str, Any],
                      + payload)
         await writer.drain()
         status = await reader.readline()
-        if b" 200 " not in status:
+        if status.split()[1:2] != [b"200"]:  # the reason phrase is optional
             raise HttpError(status.decode(errors="replace").strip()
                             + " " + (await reader.read(2000)).decode(errors="replace"))
         chunked = False
@@ -60,8 +63,11 @@ async def stream_completion(base_url: str, body: dict[str, Any],
                     if text == b"[DONE]":
                         return
                     on_event(json.loads(text), now)
+        raise HttpError("the stream ended before its [DONE] event")
     finally:
         writer.close()
+        with contextlib.suppress(Exception):
+            await writer.wait_closed()
 
 
 async def _raw(reader: asyncio.StreamReader):
@@ -72,7 +78,10 @@ async def _raw(reader: asyncio.StreamReader):
 async def _chunks(reader: asyncio.StreamReader):
     """The body of a chunked transfer encoding, chunk by chunk."""
     while True:
-        size = int((await reader.readline()).split(b";")[0].strip() or b"0", 16)
+        line = await reader.readline()
+        if not line:
+            raise HttpError("the connection closed inside a chunked body")
+        size = int(line.split(b";")[0].strip(), 16)
         if size == 0:
             return
         data = await reader.readexactly(size)

@@ -1,7 +1,7 @@
 """The benchmark's lean streaming client (benchmarks/serving/lean_client.py): against our real
 server it reads the same text and usage as the official `openai` client; against a scripted
-HTTP server, both body framings (chunked, and raw until close), events split across reads,
-and an error status named in the sample."""
+HTTP server, both body framings (chunked, and raw until close), LF and CRLF events split
+across reads, an error status named in the sample, and a stream cut short an error."""
 
 from __future__ import annotations
 
@@ -16,11 +16,11 @@ from benchmarks.serving.load import Target, closed_loop, one_lean
 from tests.e2e.conftest import graph  # noqa: F401 - the real graph on qwen3-tiny
 
 
-def _events(texts: list[str], usage: dict) -> list[bytes]:
-    out = [b"data: " + json.dumps({"choices": [{"text": t}]}).encode() + b"\n\n"
+def _events(texts: list[str], usage: dict, end: bytes = b"\n") -> list[bytes]:
+    out = [b"data: " + json.dumps({"choices": [{"text": t}]}).encode() + end + end
            for t in texts]
-    out.append(b"data: " + json.dumps({"choices": [], "usage": usage}).encode() + b"\n\n")
-    return out + [b"data: [DONE]\n\n"]
+    out.append(b"data: " + json.dumps({"choices": [], "usage": usage}).encode() + end + end)
+    return out + [b"data: [DONE]" + end + end]
 
 
 async def _scripted(pieces: list[bytes], chunked: bool, status: bytes = b"200 OK"):
@@ -43,13 +43,16 @@ async def _scripted(pieces: list[bytes], chunked: bool, status: bytes = b"200 OK
     return server, f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/v1"
 
 
+@pytest.mark.parametrize("end", [b"\n", b"\r\n"])
 @pytest.mark.parametrize("chunked", [True, False])
-def test_events_are_read_in_both_framings_even_split_across_reads(chunked):
+def test_events_are_read_in_both_framings_even_split_across_reads(chunked, end):
     usage = {"prompt_tokens": 5, "completion_tokens": 3}
-    whole = b"".join(_events(["a", "", "b c"], usage))
-    # Cut the stream at awkward places: inside an event, between its two newlines.
-    cuts = [0, 7, 31, whole.index(b"\n\n") + 1, len(whole) - 3, len(whole)]
-    pieces = [whole[a:b] for a, b in zip(cuts, cuts[1:]) if b > a]
+    whole = b"".join(_events(["a", "", "b c"], usage, end))
+    # Cut the stream at awkward places: inside an event, between its two line ends, inside a
+    # CRLF.
+    cuts = sorted({0, 7, 31, whole.index(end + end) + len(end), whole.index(end) + 1,
+                   len(whole) - 3, len(whole)})
+    pieces = [whole[a:b] for a, b in zip(cuts, cuts[1:])]
 
     async def run():
         server, url = await _scripted(pieces, chunked)
@@ -65,6 +68,20 @@ def test_events_are_read_in_both_framings_even_split_across_reads(chunked):
     # The empty text is no content chunk; the usage gives the token count.
     assert len(sample.chunks) == 2 and sample.tokens == 3 and sample.prompt_tokens == 5
     assert not sample.error
+
+
+@pytest.mark.parametrize("chunked", [True, False])
+def test_a_stream_cut_short_is_an_error(chunked):
+    whole = b"".join(_events(["a", "b"], {"prompt_tokens": 1, "completion_tokens": 2}))
+    cut = whole[:whole.index(b"data: [DONE]")]
+
+    async def run():
+        server, url = await _scripted([cut], chunked)
+        async with server:
+            return await one_lean(Target("t", url, "m", {}), "x", 2)
+
+    sample = asyncio.run(run())
+    assert "DONE" in sample.error and len(sample.chunks) == 2
 
 
 def test_an_error_status_is_recorded_with_its_body():

@@ -27,7 +27,8 @@ pytestmark = pytest.mark.skipif(
     reason="the compiled kernels are not built")
 
 
-@pytest.fixture(scope="module", params=["qwen3-tiny", "qwen3-tiny-4bit", "qwen3_5-tiny", "qwen3_5-tiny-4bit"])
+@pytest.fixture(scope="module",
+                params=["qwen3-tiny", "qwen3-tiny-4bit", "qwen3_5-tiny", "qwen3_5-tiny-4bit"])
 def model(request, model_cache):
     path = str(ensure_builtin(request.param, cache_dir=model_cache, progress=False))
     return path, Oracle(path), read_model_info(path)
@@ -118,3 +119,16 @@ def test_traces_stay_few_after_the_batch_empties(model):
     for reqs in arrivals.values():
         for rid, prompt, n in reqs:
             oracle.check(prompt, got[rid], oracle.greedy(prompt, n))
+
+
+def test_a_model_with_sliding_windows_decodes_eagerly_without_rounding(model_cache):
+    """Its windows batch as mlx-lm's merged caches, which never trace: no compiled decode,
+    and no page table rounded up for nothing."""
+    path = str(ensure_builtin("gemma3-tiny", cache_dir=model_cache, progress=False))
+    runner = ModelRunner(load_model(path), 3, kv_slots=1 << 12,
+                         runtime=RuntimeConfig(compile_decode=True))
+    assert runner.layers.windows
+    assert runner.compiled is None
+    assert not runner.rows.decode.positions.round_pages
+    assert "other than full attention" in CompiledDecode.why_not(weights.load_kernels()[0],
+                                                                 runner.layers.kinds)
