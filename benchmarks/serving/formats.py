@@ -5,8 +5,8 @@ ratios from one run are compared).
 
     python -m benchmarks.serving.formats [--model qwen3-small] [--formats f32 8bit 4bit bf16]
         [--model-path DIR [DIR ...]] [--concurrency 1 16] [--prompt-tokens 128]
-        [--output-tokens 64] [--waves 1] [--skip-mlx-lm] [--mlx-lm-formats 4bit ...]
-        [--client openai|lean]
+        [--output-tokens 64] [--waves 1] [--min-requests 2] [--skip-mlx-lm]
+        [--mlx-lm-formats 4bit ...] [--client openai|lean]
         [--json docs/bench/formats.json] [--markdown BENCHMARKS.md]
 
 Each checkpoint in turn: our graph, then mlx_lm.server, each alone on the machine, driven
@@ -184,7 +184,8 @@ def make_prompts(model_dir: str, args: argparse.Namespace) -> dict[int, list[str
 
     maker = PromptMaker(load_tokenizer(model_dir))
     p = args.prompt_tokens
-    levels = {c: [maker.make(p, seed=1000 * c + k) for k in range(max(2, args.waves * c))]
+    levels = {c: [maker.make(p, seed=1000 * c + k)
+                  for k in range(max(args.min_requests, args.waves * c))]
               for c in args.concurrency}
     return {0: [maker.make(p, seed=1)], **levels}
 
@@ -282,7 +283,8 @@ def markdown(results: dict[str, Any], json_path: Path, md_path: Path) -> str:
         f"cores, {m['system']}, Python {m['python']}. Model `{results['model']}`, BLAS "
         f"`{os.path.basename(str(results['blas']))}` for both servers. Prompts of "
         f"{results['prompt_tokens']} tokens, exactly {results['output_tokens']} output tokens, "
-        f"greedy, {results['waves']} wave(s) of `c` requests per level, streamed by the "
+        f"greedy, {results['waves']} wave(s) of `c` requests per level (at least "
+        f"{results.get('min_requests', 2)} requests), streamed by the "
         f"{_CLIENTS[results.get('client', 'openai')]}. Memory bandwidth "
         f"{results['bandwidth_bytes_s'] / 1e9:.1f} GB/s (numpy sum over 1 GiB, best of 3); the "
         "c=1 ceiling is that over the weight bytes a decode step reads (tied embeddings once). "
@@ -342,6 +344,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--prompt-tokens", type=int, default=128)
     p.add_argument("--output-tokens", type=int, default=64)
     p.add_argument("--waves", type=int, default=1, help="waves of c requests per level")
+    p.add_argument("--min-requests", type=int, default=2,
+                   help="requests per level at least (one c = 1 request is one noisy sample)")
     p.add_argument("--blas", default="auto", help="runtime.blas for both servers")
     p.add_argument("--skip-mlx-lm", action="store_true", help="only this server")
     p.add_argument("--mlx-lm-formats", nargs="+", default=[],
@@ -375,7 +379,8 @@ def main(argv: list[str] | None = None) -> int:
         "machine": machine(), "model": " ".join(args.model_path) or args.model,
         "blas": blas.find(args.blas) or "bundled", "prompt_tokens": args.prompt_tokens,
         "output_tokens": args.output_tokens, "concurrency": args.concurrency,
-        "waves": args.waves, "client": args.client, "bandwidth_bytes_s": bytes_s,
+        "waves": args.waves, "min_requests": args.min_requests, "client": args.client,
+        "bandwidth_bytes_s": bytes_s,
         "formats": entries}
     prompts = make_prompts(entries[0]["path"], args)  # one model: one tokenizer
     per_server = sum(len(v) for v in prompts.values())
