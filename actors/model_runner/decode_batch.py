@@ -114,27 +114,36 @@ class Positions:
     # -- the forward ----------------------------------------------------------------------------
 
     def prepare(self) -> None:
+        # Plain Python over the positions, the step's arrays made at the end: this runs on the
+        # MLX thread every step, with a cache the step's weights have just swept, where each
+        # small numpy call costs several microseconds. qwen3-small-4bit, runner core driven
+        # step by step: 185-200 -> 140-175 us at one row, 510 -> 330 us at 16 rows.
         n = self.n
-        lengths, live = self.lengths[:n], self.live[:n]
-        page = np.zeros(n, np.int32)
-        for at in np.flatnonzero(live):  # a token at a page boundary starts a new page
-            self.take(int(at), int(lengths[at]) + 1)
-            page[at] = self.pages[at][lengths[at] // PAGE]
-        slot = np.where(live, lengths % PAGE, 0).astype(np.int32)
-        counts = np.where(live, lengths + 1, 1).astype(np.int32)
-        most = max([len(self.pages[at]) for at in np.flatnonzero(live)], default=1)
+        lengths, live = self.lengths[:n].tolist(), self.live[:n].tolist()
+        at_written = [0] * n  # holes and parked rows write into the scratch page
+        counts = [1] * n
+        most = 1
+        for at in range(n):
+            if not live[at]:
+                continue
+            length = lengths[at]
+            self.take(at, length + 1)  # a token at a page boundary starts a new page
+            pages = self.pages[at]
+            at_written[at] = pages[length // PAGE] * PAGE + length % PAGE
+            counts[at] = length + 1
+            most = max(most, len(pages))
         if self.round_pages:  # the columns past a row's pages are the scratch page, masked
             most = 1 << (most - 1).bit_length()
-        table = np.zeros((n, most), np.int32)  # holes and parked rows: the scratch page
-        for at in np.flatnonzero(live):
-            table[at, :len(self.pages[at])] = self.pages[at]
+        table = [self.pages[at] + [0] * (most - len(self.pages[at])) if live[at] else [0] * most
+                 for at in range(n)]
         self.width = most * PAGE
-        self.offset = mx.array(lengths)
-        self._at = page.astype(np.int64) * PAGE + slot
+        self.offset = mx.array(self.lengths[:n])
+        self._at = np.array(at_written, np.int64)
         self._writes = {}
-        self.table = mx.array(table)
-        self.mask = mx.array(np.arange(self.width)[None] < counts[:, None])[:, None, None, :]
-        self.keys_per_row = mx.array(counts)
+        self.table = mx.array(np.array(table, np.int32).reshape(n, most))  # n may be 0
+        self.mask = mx.array(np.arange(self.width)[None] < np.array(counts)[:, None])[
+            :, None, None, :]
+        self.keys_per_row = mx.array(counts, dtype=mx.int32)
 
 
 class BatchedKV:

@@ -1,15 +1,18 @@
 """The decode batch's own layout (actors/model_runner/decode_batch.py): rows that leave become
 holes without touching the others' KV, joining rows fill holes, the batched attention of rows
 of different lengths equals each row's attention alone, and the positions compact only when
-holes are more than half. End-to-end token parity through it: test_runner_core.py."""
+holes are more than half; a step's positions arrays (offsets, page table, mask, write index)
+follow the pages. End-to-end token parity through it: test_runner_core.py."""
 
 import mlx.core as mx
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from mlx_lm.models.cache import ArraysCache, KVCache
 
 from actors.model_runner.decode_batch import (FIRST_PAGES, PAGE, BatchedKV, BatchedStates,
-                                              DecodeBatch, row_tokens)
+                                              DecodeBatch, Positions, row_tokens)
 
 HEADS, DIM = 2, 8
 
@@ -198,3 +201,46 @@ def test_a_sequence_of_more_than_one_token_is_refused():
     batch, _ = joined({1: 4})
     with pytest.raises(ValueError, match="one token per row"):
         batch.caches[0].make_mask(3)
+
+
+def _expected(p: Positions, lengths: list[int], live: list[bool], widths: int) -> dict:
+    """What a step's arrays must hold, from the pages alone: each live row's token goes to
+    slot length % PAGE of its page length // PAGE, it attends to length + 1 keys through a
+    table of its pages padded with the scratch page 0; holes and parked rows write into the
+    scratch page and attend to one key."""
+    rows = []
+    for at, (n, ok) in enumerate(zip(lengths, live)):
+        pages = p.pages[at] if ok else []
+        rows.append((n, ok, pages))
+    return {"written": [pages[n // PAGE] * PAGE + n % PAGE if ok else 0 for n, ok, pages in rows],
+            "counts": [n + 1 if ok else 1 for n, ok, _ in rows],
+            "table": [pages + [0] * (widths - len(pages)) for _, _, pages in rows]}
+
+
+@settings(max_examples=60, deadline=None)
+@given(rows=st.lists(st.tuples(st.integers(0, 70), st.booleans()), min_size=0, max_size=9),
+       round_pages=st.booleans())
+def test_a_steps_positions_arrays_follow_the_pages(rows, round_pages):
+    p = Positions()
+    p.round_pages = round_pages
+    p.resize(len(rows))
+    for at, (n, ok) in enumerate(rows):
+        p.take(at, n)  # the row's tokens so far
+        p.lengths[at], p.live[at] = n, ok
+    p.prepare()
+    lengths, live = [n for n, _ in rows], [ok for _, ok in rows]
+    most = max([len(p.pages[at]) for at, ok in enumerate(live) if ok], default=1)
+    assert all(len(p.pages[at]) * PAGE > n for at, (n, ok) in enumerate(rows) if ok)
+    widths = 1 << (most - 1).bit_length() if round_pages else most
+    want = _expected(p, lengths, live, widths)
+    assert p.width == widths * PAGE
+    assert p.offset.tolist() == lengths and p.keys_per_row.tolist() == want["counts"]
+    assert p.keys_per_row.dtype == mx.int32 and p.table.dtype == mx.int32
+    assert p.table.shape == (len(rows), widths) and p.table.tolist() == \
+        (want["table"] if rows else [])
+    assert p.mask.shape == (len(rows), 1, 1, widths * PAGE)
+    assert p.mask[:, 0, 0, :].tolist() == [[k < c for k in range(widths * PAGE)]
+                                          for c in want["counts"]]
+    # The write index of a pool seen flat as [kv_heads x capacity x PAGE, dim].
+    per_head = p.capacity * PAGE
+    assert p.writes(2).tolist() == [h * per_head + w for w in want["written"] for h in range(2)]
