@@ -1,6 +1,6 @@
-"""The fuzz job's clients (benchmarks/fuzz/job.py): a raw HTTP/1.1 client (any bytes as the body,
-and a stream that can be dropped mid-way), the ZMQ and HTTP fuzz drivers, and the tally of
-outcomes and failures they fill. Every wait has a timeout; every connection is to the graph
+"""The fuzz job's clients (benchmarks/fuzz/job.py): the ZMQ and HTTP fuzz drivers (HTTP through
+benchmarks/raw_http.py: any bytes as the body, a stream that can be dropped mid-way), and the
+tally of outcomes and failures they fill. Every wait has a timeout; every connection is to the graph
 under test on 127.0.0.1."""
 
 from __future__ import annotations
@@ -12,14 +12,14 @@ import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Callable, Iterable
-from urllib.parse import urlsplit
+from typing import Any, Callable, Iterable
 
 import msgspec
 import zmq
 import zmq.asyncio
 
 from benchmarks.fuzz.cases import ANY, BAD, OK, Case
+from benchmarks.raw_http import http_call
 from protocol import messages as m
 
 EXAMPLES = 5  # offending inputs kept per failure kind
@@ -106,84 +106,6 @@ class Feed:
 
 
 # -- HTTP ---------------------------------------------------------------------------------------
-
-
-@dataclass
-class HttpStream:
-    status: int
-    headers: dict[str, str]
-    reader: asyncio.StreamReader
-    writer: asyncio.StreamWriter
-
-    async def pieces(self) -> AsyncIterator[bytes]:
-        """The body as it arrives: chunked, by Content-Length, or up to EOF."""
-        if self.headers.get("transfer-encoding", "").lower() == "chunked":
-            while size := int((await self.reader.readline()).split(b";")[0].strip() or b"0", 16):
-                yield await self.reader.readexactly(size)
-                await self.reader.readexactly(2)
-            return
-        if "content-length" in self.headers:
-            yield await self.reader.readexactly(int(self.headers["content-length"]))
-            return
-        while data := await self.reader.read(65536):
-            yield data
-
-    async def events(self) -> AsyncIterator[bytes]:
-        """Server-sent events' data lines, one at a time."""
-        buf = b""
-        async for piece in self.pieces():
-            buf += piece
-            while b"\n\n" in buf:
-                event, buf = buf.split(b"\n\n", 1)
-                for line in event.split(b"\n"):
-                    if line.startswith(b"data: "):
-                        yield line[6:]
-
-    def close(self) -> None:
-        self.writer.close()
-
-
-async def http_send(base: str, path: str, body: bytes, method: str = "POST"
-                    ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
-    """Send one request on a new connection (closed by the server after its reply)."""
-    url = urlsplit(base)
-    reader, writer = await asyncio.open_connection(url.hostname, url.port, limit=1 << 24)
-    head = (f"{method} {path} HTTP/1.1\r\nHost: {url.netloc}\r\nContent-Type: application/json"
-            f"\r\nContent-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode()
-    try:
-        writer.write(head + body)
-        await writer.drain()
-    except ConnectionError:
-        pass  # a server may answer (413) and close before a huge body is all sent
-    return reader, writer
-
-
-async def http_open(base: str, path: str, body: bytes, method: str = "POST") -> HttpStream:
-    """Send one request and read the reply's head."""
-    reader, writer = await http_send(base, path, body, method)
-    try:
-        status_line = await reader.readline()
-        if not status_line:
-            raise ConnectionError("connection closed before a reply")
-        headers = {}
-        while (line := await reader.readline()) not in (b"\r\n", b"\n", b""):
-            name, _, value = line.decode("latin-1").partition(":")
-            headers[name.strip().lower()] = value.strip()
-        return HttpStream(int(status_line.split()[1]), headers, reader, writer)
-    except BaseException:
-        writer.close()
-        raise
-
-
-async def http_call(base: str, path: str, body: bytes, timeout: float,
-                    method: str = "POST") -> tuple[int, bytes]:
-    """One whole request: (status, body)."""
-    async with asyncio.timeout(timeout):
-        stream = await http_open(base, path, body, method)
-        try:
-            return stream.status, b"".join([p async for p in stream.pieces()])
-        finally:
-            stream.close()
 
 
 def _stream_end(data: bytes) -> tuple[bool, int]:

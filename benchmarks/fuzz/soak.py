@@ -20,8 +20,8 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from benchmarks.fuzz.clients import (HttpStream, Tally, dealer, http_call, http_open,
-                                     http_send)
+from benchmarks.fuzz.clients import Tally, dealer
+from benchmarks.raw_http import HttpStream, http_call, http_open, http_send
 from protocol import messages as m
 
 _replies = msgspec.msgpack.Decoder(m.ClientOutbound)

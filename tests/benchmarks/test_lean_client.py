@@ -23,7 +23,8 @@ def _events(texts: list[str], usage: dict, end: bytes = b"\n") -> list[bytes]:
     return out + [b"data: [DONE]" + end + end]
 
 
-async def _scripted(pieces: list[bytes], chunked: bool, status: bytes = b"200 OK"):
+async def _scripted(pieces: list[bytes], chunked: bool, status: bytes = b"200 OK",
+                    last_chunk: bool = True):
     """A one-shot HTTP server that answers any request with `pieces`, flushed one by one."""
     async def handle(reader, writer):
         while (await reader.readline()) not in (b"\r\n", b""):
@@ -34,7 +35,7 @@ async def _scripted(pieces: list[bytes], chunked: bool, status: bytes = b"200 OK
             writer.write(b"%x\r\n%s\r\n" % (len(piece), piece) if chunked else piece)
             await writer.drain()
             await asyncio.sleep(0.001)
-        if chunked:
+        if chunked and last_chunk:
             writer.write(b"0\r\n\r\n")
         await writer.drain()
         writer.close()
@@ -82,6 +83,17 @@ def test_a_stream_cut_short_is_an_error(chunked):
 
     sample = asyncio.run(run())
     assert "DONE" in sample.error and len(sample.chunks) == 2
+
+
+def test_a_connection_closed_inside_a_chunked_body_is_an_error():
+    whole = b"".join(_events(["a"], {"prompt_tokens": 1, "completion_tokens": 1}))
+
+    async def run():
+        server, url = await _scripted([whole[:20]], True, last_chunk=False)
+        async with server:
+            return await one_lean(Target("t", url, "m", {}), "x", 1)
+
+    assert "IncompleteReadError" in asyncio.run(run()).error
 
 
 def test_an_error_status_is_recorded_with_its_body():
