@@ -11,9 +11,10 @@ changes between steps: the tokens, the positions' arrays (RoPE offsets, page tab
 per row, write index), every attention layer's K/V pool and every recurrent layer's state
 parts (a hybrid model's conv windows and SSM states). It returns the forward's output, the
 head's input where the greedy head captured it, and the pools and states written. The weights
-are constants of the trace. A new shape (positions, table width, pool pages) is a new trace, so the table's
-width is rounded up to a power of two pages while compiled (Positions.round_pages): a long
-generation retraces about log2(pages) times, not every 16 tokens.
+are constants of the trace. A new shape (positions, table width, pool pages) is a new trace,
+so the table's width is rounded up to a power of two pages while compiled
+(Positions.round_pages): a long generation retraces about log2(pages) times, not every 16
+tokens.
 
 Bit for bit the eager forward: traced with MLX's compile mode no_fuse (mas_kernels sets it),
 so the replay runs the same primitives on the same inputs; fusion would let the C compiler
@@ -23,8 +24,8 @@ Only where every cache is the decode batch's paged K/V or its batched recurrent 
 and hybrid models, not sliding windows), on one rank, with the compiled kernels built (for the
 mode switch). A hybrid step's eager build takes 2.4-2.6 ms of Python at one row of
 qwen3_5-small (a 13.3 ms step), 2.0-2.2 compiled; served, within noise either way, but the
-same path for every model the decode batch holds in its own layout. A step that cannot trace (some
-part of the forward reads a value back, say) turns it off for the runner, logged once
+same path for every model the decode batch holds in its own layout. A step that cannot trace
+(some part of the forward reads a value back, say) turns it off for the runner, logged once
 (`runner.compiled_decode_off`), and runs eagerly; the step itself never fails for it.
 """
 
@@ -173,12 +174,9 @@ def _place(kv: list[BatchedKV], recurrent: list[BatchedStates], arrays: Any) -> 
 
 
 def _traceable(cache: Any) -> bool:
-    """A layer cache the trace takes as inputs and outputs: the paged K/V once it has pools,
-    a recurrent state once every part exists (a part no row has yet is made by the model, a
-    different graph) and without mlx-lm's paddings or lengths (read by its Python)."""
+    """A layer cache the trace takes as inputs and outputs: the paged K/V once it has pools, a
+    recurrent state once every part exists (a part no row has yet is made by the model: a
+    different graph). BatchedStates never sets mlx-lm's paddings or lengths."""
     if isinstance(cache, BatchedKV):
         return cache.keys is not None
-    if isinstance(cache, BatchedStates):
-        return (all(a is not None for a in cache.cache) and cache.left_padding is None
-                and cache.lengths is None)
-    return False
+    return isinstance(cache, BatchedStates) and all(a is not None for a in cache.cache)

@@ -48,6 +48,14 @@ class Positions:
     forward's arrays once per step."""
 
     def __init__(self):
+        # The table's width rounded up to a power of two pages: while the decode forward is
+        # compiled (compiled_decode.py), a new width is a new trace. The runner's setting: it
+        # outlives the buffers.
+        self.round_pages = False
+        self.clear()
+
+    def clear(self) -> None:
+        """Every buffer back to empty (the last row left)."""
         self.n = 0
         self.lengths = np.zeros(0, np.int32)
         self.live = np.zeros(0, bool)  # the position decodes in this step
@@ -62,9 +70,6 @@ class Positions:
         self.mask: mx.array | None = None  # [n, 1, 1, width] keys each row attends to
         self.keys_per_row: mx.array | None = None  # [n] int32: the same as counts (the kernel's)
         self.width = 0  # columns of the gathered K/V: max pages x PAGE
-        # The table's width rounded up to a power of two pages: while the decode forward is
-        # compiled (compiled_decode.py), a new width is a new trace.
-        self.round_pages = False
 
     def resize(self, n: int) -> None:
         grow = n - len(self.lengths)
@@ -291,6 +296,11 @@ class DecodeBatch:
 
     def __init__(self):
         self.positions = Positions()
+        self._clear()
+
+    def _clear(self) -> None:
+        """Every buffer goes (the last row left); the positions' setting stays."""
+        self.positions.clear()
         self.slots: list[int | None] = []  # position -> its row, None where a hole is
         self.where: dict[int, int] = {}  # row -> its position (decoding or parked)
         self.decoding: set[int] = set()
@@ -391,9 +401,7 @@ class DecodeBatch:
         while self.slots and self.slots[-1] is None:
             self.slots.pop()
         if not self.slots:
-            round_pages = self.positions.round_pages  # the runner's choice, not a buffer
-            self.__init__()  # empty: every buffer goes
-            self.positions.round_pages = round_pages
+            self._clear()
             return
         holes = self.slots.count(None)
         if holes and (not self.holes_ok or 2 * holes > len(self.slots)):
