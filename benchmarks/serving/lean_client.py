@@ -4,10 +4,10 @@ are what our server and mlx_lm.server send: one `data:` line each; a stream that
 its `data: [DONE]` is an error, as it is to the openai client.
 
 Why: on the 2-core machine the benchmark's client shares the cores with the server it
-measures. The official `openai` client spends 0.65-0.7 ms of CPU per streamed token (httpx,
+measures. The official `openai` client spends 0.63-0.71 ms of CPU per streamed token (httpx,
 one pydantic object per event), more than our tokenizer, scheduler or detokenizer each at
 c = 1, and the faster a server streams, the more of its cores the client takes. This one
-spends 0.21 ms (qwen3-small-4bit served at c = 1, the event loop and the kernel's socket work
+spends 0.18-0.21 ms (qwen3-small-4bit served at c = 1, the event loop and the kernel's socket work
 included; BENCHMARKS.md, "Served c = 1: the benchmark's client"). It is a measuring
 instrument, not a user's client (the e2e tests keep the official one);
 `load.closed_loop(client_kind="lean")` picks it, the same for every server in a run.
