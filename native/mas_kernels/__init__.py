@@ -11,6 +11,7 @@
                           allowed=None, *, stream=None) -> mx.array
     gated_delta(q, k, v, g, beta, state, *, stream=None) -> (y, state)
     causal_conv(x, w, *, stream=None) -> mx.array
+    kv_write(pool, index, rows, *, stream=None) -> mx.array
     silu(gate, x=None, *, stream=None) -> mx.array
     softmax(scores, causal_length=0, *, stream=None) -> mx.array
     argmax(x, *, stream=None) -> mx.array
@@ -43,6 +44,7 @@ greedy_head_quantized = _ext.greedy_head_quantized
 qhead_fast = _ext.qhead_fast
 gated_delta = _ext.gated_delta
 causal_conv = _ext.causal_conv
+kv_write = _ext.kv_write
 silu = _ext.silu
 softmax = _ext.softmax
 argmax = _ext.argmax

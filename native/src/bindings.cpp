@@ -79,6 +79,14 @@ NB_MODULE(_ext, m) {
       "The gated delta rule token by token, float32: q, k [B, T, Hk, Dk] (Dk a multiple of 16), "
       "v [B, T, Hv, Dv], g and beta [B, T, Hv], state [B, Hv, Dv, Dk] -> (y [B, T, Hv, Dv], "
       "the final state): mlx-lm's gated_delta_ops (scalar gates, no mask) as one graph node.");
+  m.def("kv_write", &mas::kv_write, "pool"_a, "index"_a, "rows"_a, nb::kw_only(),
+        "stream"_a = nb::none(),
+        "A decode step's writes into one page pool as one graph node: pool [kv_heads, pages, "
+        "page, dim] with row j of rows [n, kv_heads, 1, dim] (seen as [n x kv_heads, dim], the "
+        "pool's type) at slot index[j] (int32 [n x kv_heads]) of the pool seen flat as "
+        "[kv_heads x pages x page, dim]. -> the pool, written in place where it can be donated.");
+  m.def("_kv_write_copies", &mas::kv_write_copies,
+        "How many pools kv_write had to copy (not donated) since the module loaded.");
   m.def("causal_conv", &mas::causal_conv, "x"_a, "w"_a, nb::kw_only(), "stream"_a = nb::none(),
         "The gated-delta layers' causal depthwise convolution, float32: x [B, T + K - 1, C] "
         "(the K - 1 positions before the chunk, then its T), w [K, C] -> [B, T, C], out[b, t, "

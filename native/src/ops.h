@@ -135,6 +135,27 @@ std::vector<mx::array> gated_delta(const mx::array& q, const mx::array& k, const
                                    const mx::array& g, const mx::array& beta,
                                    const mx::array& state, mx::StreamOrDevice s = {});
 
+// A decode step's writes into one page pool (kv_write.cpp): pool [kv_heads, pages, page, dim],
+// index int32 [rows x kv_heads] the slot of each new row in the pool seen flat as [kv_heads x
+// pages x page, dim], rows [rows, kv_heads, 1, dim] in the pool's type -> the pool with row j
+// of rows (seen as [rows x kv_heads, dim]) at slot index[j], written in place when the pool can
+// be donated. kv_write_copies: how many pools had to be copied since the module loaded.
+mx::array kv_write(const mx::array& pool, const mx::array& index, const mx::array& rows,
+                   mx::StreamOrDevice s = {});
+int64_t kv_write_copies();
+
+class KvWrite : public mx::UnaryPrimitive {
+ public:
+  explicit KvWrite(mx::Stream stream) : mx::UnaryPrimitive(stream) {}
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+  const char* name() const override { return "MasKvWrite"; }
+  bool is_equivalent(const mx::Primitive& other) const override { return true; }
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    return {inputs[0].shape()};
+  }
+};
+
 class GatedDelta : public mx::Primitive {
  public:
   explicit GatedDelta(mx::Stream stream) : mx::Primitive(stream) {}

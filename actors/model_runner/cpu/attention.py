@@ -26,7 +26,7 @@ import mlx.nn as nn
 from mlx_lm.models import base
 
 from actors.model_runner.cpu import fastmath
-from actors.model_runner.decode_batch import BatchedKV
+from actors.model_runner.decode_batch import BatchedKV, pool_writer
 from actors.model_runner.thread_flag import ThreadFlag
 
 MAX_GROUP = 64  # query heads per KV head the kernel takes
@@ -40,8 +40,10 @@ _kernel: ThreadFlag[Any] = ThreadFlag(None)  # the mas_kernels module, inside ac
 
 @contextmanager
 def active(kernels: Any) -> Iterator[None]:
-    """Send the decode batch's attention on this thread to `kernels` (None: MLX's path)."""
-    with _kernel.holding(kernels):
+    """Send the decode batch's attention and its pool writes on this thread to `kernels`
+    (None: MLX's path)."""
+    write = None if kernels is None else kernels.kv_write
+    with _kernel.holding(kernels), pool_writer.holding(write):
         yield
 
 
