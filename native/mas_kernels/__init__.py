@@ -12,6 +12,8 @@
     gated_delta(q, k, v, g, beta, state, *, stream=None) -> (y, state)
     causal_conv(x, w, *, stream=None) -> mx.array
     kv_write(pool, index, rows, *, stream=None) -> mx.array
+    quantized_rows(w, scales, biases, ids, group_size, bits, float32=False, *, stream=None)
+        -> mx.array
     silu(gate, x=None, *, stream=None) -> mx.array
     softmax(scores, causal_length=0, *, stream=None) -> mx.array
     argmax(x, *, stream=None) -> mx.array
@@ -45,6 +47,7 @@ qhead_fast = _ext.qhead_fast
 gated_delta = _ext.gated_delta
 causal_conv = _ext.causal_conv
 kv_write = _ext.kv_write
+quantized_rows = _ext.quantized_rows
 silu = _ext.silu
 softmax = _ext.softmax
 argmax = _ext.argmax

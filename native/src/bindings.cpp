@@ -85,6 +85,12 @@ NB_MODULE(_ext, m) {
         "page, dim] with row j of rows [n, kv_heads, 1, dim] (seen as [n x kv_heads, dim], the "
         "pool's type) at slot index[j] (int32 [n x kv_heads]) of the pool seen flat as "
         "[kv_heads x pages x page, dim]. -> the pool, written in place where it can be donated.");
+  m.def("quantized_rows", &mas::quantized_rows, "w"_a, "scales"_a, "biases"_a, "ids"_a,
+        "group_size"_a, "bits"_a, "float32"_a = false, nb::kw_only(), "stream"_a = nb::none(),
+        "Rows ids (int32 [n]) of a quantized table (w uint32 [vocab, K * bits / 32], mlx's "
+        "affine layout, bits 4 or 8; scales and biases [vocab, K / group_size], float32 or "
+        "bfloat16) dequantized as one graph node: mx.dequantize(w[ids], scales[ids], "
+        "biases[ids]) bit for bit, -> [n, K] in the scales' type, or float32 with float32.");
   m.def("_kv_write_copies", &mas::kv_write_copies,
         "How many pools kv_write had to copy (not donated) since the module loaded.");
   m.def("causal_conv", &mas::causal_conv, "x"_a, "w"_a, nb::kw_only(), "stream"_a = nb::none(),

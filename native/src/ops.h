@@ -156,6 +156,31 @@ class KvWrite : public mx::UnaryPrimitive {
   }
 };
 
+// Rows ids of a quantized table, dequantized (quantized_rows.cpp): w uint32 [vocab, K * bits /
+// 32] in mlx's affine layout (bits 4 or 8), scales and biases [vocab, K / group_size] (both
+// float32 or both bfloat16), ids int32 [n] -> [n, K], mx.dequantize(w[ids], scales[ids],
+// biases[ids]) bit for bit: in float32 with `float32` (bf16 scales widened exactly), else in
+// the scales' type.
+mx::array quantized_rows(const mx::array& w, const mx::array& scales, const mx::array& biases,
+                         const mx::array& ids, int group_size, int bits, bool float32,
+                         mx::StreamOrDevice s = {});
+
+class QuantizedRows : public mx::UnaryPrimitive {
+ public:
+  QuantizedRows(mx::Stream stream, int group, int bits)
+      : mx::UnaryPrimitive(stream), group_(group), bits_(bits) {}
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+  const char* name() const override { return "MasQuantizedRows"; }
+  bool is_equivalent(const mx::Primitive& other) const override;
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    return {{inputs[3].shape(0), inputs[0].shape(1) * (32 / bits_)}};
+  }
+
+ private:
+  int group_, bits_;
+};
+
 class GatedDelta : public mx::Primitive {
  public:
   explicit GatedDelta(mx::Stream stream) : mx::Primitive(stream) {}
