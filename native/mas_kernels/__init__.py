@@ -6,6 +6,8 @@
     decode_attention(q, k, v, pages, lengths, scale, *, stream=None) -> mx.array
     rms_norm(x, weight, eps, *, stream=None) -> mx.array
     rope(x, dims, traditional, base, scale, offsets, *, stream=None) -> mx.array
+    norm_rope(x, weight, eps, heads, dims, traditional, base, scale, offsets, *, stream=None)
+        -> mx.array
     greedy_head(x, w, wq, stats, bf16_logits=False, allowed=None, *, stream=None) -> mx.array
     greedy_head_quantized(x, codes, table, stats, group_size, bits, bf16_logits=False,
                           allowed=None, *, stream=None) -> mx.array
@@ -41,6 +43,7 @@ f32_matmul = _ext.f32_matmul
 decode_attention = _ext.decode_attention
 rms_norm = _ext.rms_norm
 rope = _ext.rope
+norm_rope = _ext.norm_rope
 greedy_head = _ext.greedy_head
 greedy_head_quantized = _ext.greedy_head_quantized
 qhead_fast = _ext.qhead_fast

@@ -49,6 +49,12 @@ NB_MODULE(_ext, m) {
         "Rotary position embedding of x [batch, heads, tokens, dim] float32, token t of row b "
         "at position offsets[b] + t (offsets int32 [1] or [batch]): mx.fast.rope as one graph "
         "node on the CPU.");
+  m.def("norm_rope", &mas::norm_rope, "x"_a, "weight"_a, "eps"_a, "heads"_a, "dims"_a,
+        "traditional"_a, "base"_a, "scale"_a, "offsets"_a, nb::kw_only(),
+        "stream"_a = nb::none(),
+        "One token per row: rope(rms_norm(x.reshape(rows, heads, 1, dim), weight, eps), ...) "
+        "for x [rows, 1, heads x dim] (float32 or bfloat16), as one graph node, bit for bit "
+        "the two nodes' values. -> [rows, heads, 1, dim].");
   m.def("greedy_head", &mas::greedy_head, "x"_a, "w"_a, "wq"_a, "stats"_a,
         "bf16_logits"_a = false, "allowed"_a = nb::none(), nb::kw_only(),
         "stream"_a = nb::none(),

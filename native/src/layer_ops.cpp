@@ -184,4 +184,74 @@ bool Rope::is_equivalent(const mx::Primitive& other) const {
          scale_ == o.scale_;
 }
 
+mx::array norm_rope(const mx::array& x, const mx::array& weight, float eps, int heads, int dims,
+                    bool traditional, float base, float scale, const mx::array& offsets,
+                    mx::StreamOrDevice s) {
+  if ((x.dtype() != mx::float32 && x.dtype() != mx::bfloat16) || weight.dtype() != x.dtype()) {
+    throw std::invalid_argument("norm_rope: x and weight must be both float32 or both bfloat16");
+  }
+  if (x.ndim() != 3 || x.shape(1) != 1 || heads <= 0 || x.shape(2) % heads != 0) {
+    throw std::invalid_argument("norm_rope: x must be [rows, 1, heads x dim] with " +
+                                std::to_string(heads) + " heads, got " + shape_str(x.shape()));
+  }
+  const int D = x.shape(2) / heads;
+  if (weight.ndim() != 1 || weight.shape(0) != D) {
+    throw std::invalid_argument("norm_rope: weight must be [" + std::to_string(D) + "], got " +
+                                shape_str(weight.shape()));
+  }
+  if (dims <= 0 || dims % 2 != 0 || dims > D) {
+    throw std::invalid_argument("norm_rope: dims must be even, positive and at most " +
+                                std::to_string(D) + ", got " + std::to_string(dims));
+  }
+  if (offsets.dtype() != mx::int32 || offsets.ndim() != 1 ||
+      (offsets.shape(0) != 1 && offsets.shape(0) != x.shape(0))) {
+    throw std::invalid_argument("norm_rope: offsets must be int32 [1] or [rows] = [" +
+                                std::to_string(x.shape(0)) + "], got " +
+                                shape_str(offsets.shape()));
+  }
+  mx::Stream stream = cpu_stream(s, "norm_rope");
+  return mx::array({x.shape(0), heads, 1, D}, x.dtype(),
+                   std::make_shared<NormRope>(stream, eps, dims, traditional, base, scale),
+                   {x, weight, offsets});
+}
+
+// rms_norm then rope, as their two nodes compute them (the same functions, in order), on the
+// one buffer: [rows, 1, heads x dim] is [rows, heads, 1, dim] in memory.
+void NormRope::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
+  auto& enc = mx::cpu::get_command_encoder(stream());
+  const auto in = cpu_io(enc, inputs, {out});
+  const mx::array &x = in[0], &w = in[1], &offsets = in[2];
+  const int64_t B = out.shape(0), H = out.shape(1), D = out.shape(3);
+  const int64_t per_row = offsets.shape(0) == 1 ? 0 : 1;
+  const auto run = [&](auto type) {
+    using E = decltype(type);
+    enc.dispatch([xp = x.data<E>(), wp = w.data<E>(), off = offsets.data<int32_t>(),
+                  op = out.data<E>(), B, H, D, per_row, eps = eps_, dims = dims_,
+                  traditional = traditional_, base = base_, scale = scale_]() {
+      rms_rows(xp, wp, op, B * H, D, eps);
+      rope_rows(op, off, op, B, H, int64_t{1}, D, per_row, dims, traditional, base, scale);
+    });
+  };
+  if (x.dtype() == mx::bfloat16) {
+    run(uint16_t{});
+  } else {
+    run(float{});
+  }
+}
+
+void NormRope::eval_gpu(const std::vector<mx::array>&, mx::array&) {
+  throw std::runtime_error("mas_kernels.norm_rope has no GPU kernel: use mx.fast's");
+}
+
+std::vector<mx::Shape> NormRope::output_shapes(const std::vector<mx::array>& inputs) {
+  const int D = inputs[1].shape(0);
+  return {{inputs[0].shape(0), inputs[0].shape(2) / D, 1, D}};
+}
+
+bool NormRope::is_equivalent(const mx::Primitive& other) const {
+  const auto& o = static_cast<const NormRope&>(other);
+  return eps_ == o.eps_ && dims_ == o.dims_ && traditional_ == o.traditional_ &&
+         base_ == o.base_ && scale_ == o.scale_;
+}
+
 }  // namespace mas

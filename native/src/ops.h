@@ -181,6 +181,30 @@ class QuantizedRows : public mx::UnaryPrimitive {
   int group_, bits_;
 };
 
+// rms_norm of each head of x [rows, 1, heads x dim] (weight [dim]) then rope with offsets, as
+// one node (layer_ops.cpp): rope(rms_norm(x.reshape(rows, heads, 1, dim))) bit for bit.
+mx::array norm_rope(const mx::array& x, const mx::array& weight, float eps, int heads, int dims,
+                    bool traditional, float base, float scale, const mx::array& offsets,
+                    mx::StreamOrDevice s = {});
+
+class NormRope : public mx::UnaryPrimitive {
+ public:
+  NormRope(mx::Stream stream, float eps, int dims, bool traditional, float base, float scale)
+      : mx::UnaryPrimitive(stream), eps_(eps), dims_(dims), traditional_(traditional),
+        base_(base), scale_(scale) {}
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+  const char* name() const override { return "MasNormRope"; }
+  bool is_equivalent(const mx::Primitive& other) const override;
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override;
+
+ private:
+  float eps_;
+  int dims_;
+  bool traditional_;
+  float base_, scale_;
+};
+
 class GatedDelta : public mx::Primitive {
  public:
   explicit GatedDelta(mx::Stream stream) : mx::Primitive(stream) {}

@@ -97,6 +97,38 @@ def test_bad_arguments_raise():
         mk.rope(x, 16, False, 1e4, 1.0, mx.array([0, 1, 2], dtype=mx.int32))
 
 
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+@pytest.mark.parametrize("traditional,dims,offsets", [(False, 64, [0, 17, 300]), (True, 32, [5])])
+def test_norm_rope_is_the_norm_then_the_rope_bit_for_bit(dtype, traditional, dims, offsets):
+    """One token per row, [rows, 1, heads x dim] in: the very values of rms_norm on the heads
+    then rope, the two nodes it stands in for (cpu/one_token.py)."""
+    x = (mx.random.normal((3, 1, 8 * 64), key=mx.random.key(7)) * 3).astype(dtype)
+    w = mx.random.normal((64,), key=mx.random.key(8)).astype(dtype)
+    off = mx.array(offsets, dtype=mx.int32)
+    want = mk.rope(mk.rms_norm(x.reshape(3, 8, 1, 64), w, 1e-6), dims, traditional, 1e6, 1.0, off)
+    got = mk.norm_rope(x, w, 1e-6, 8, dims, traditional, 1e6, 1.0, off)
+    assert got.shape == (3, 8, 1, 64) and got.dtype == dtype
+    assert mx.array_equal(got, want).item()
+
+
+def test_norm_rope_bad_arguments_raise():
+    w, off = mx.zeros((16,)), mx.array([0], dtype=mx.int32)
+    with pytest.raises(ValueError, match="float32 or both bfloat16"):
+        mk.norm_rope(mx.zeros((2, 1, 64), mx.float16), w.astype(mx.float16), 1e-6, 4, 16,
+                     False, 1e4, 1.0, off)
+    with pytest.raises(ValueError, match=r"\[rows, 1, heads x dim\] with 3 heads"):
+        mk.norm_rope(mx.zeros((2, 1, 64)), w, 1e-6, 3, 16, False, 1e4, 1.0, off)
+    with pytest.raises(ValueError, match=r"\[rows, 1, heads x dim\]"):
+        mk.norm_rope(mx.zeros((2, 2, 64)), w, 1e-6, 4, 16, False, 1e4, 1.0, off)
+    with pytest.raises(ValueError, match=r"weight must be \[16\]"):
+        mk.norm_rope(mx.zeros((2, 1, 64)), mx.zeros((8,)), 1e-6, 4, 16, False, 1e4, 1.0, off)
+    with pytest.raises(ValueError, match="dims must be even"):
+        mk.norm_rope(mx.zeros((2, 1, 64)), w, 1e-6, 4, 18, False, 1e4, 1.0, off)
+    with pytest.raises(ValueError, match="offsets must be int32"):
+        mk.norm_rope(mx.zeros((2, 1, 64)), w, 1e-6, 4, 16, False, 1e4, 1.0,
+                     mx.array([0, 1, 2], dtype=mx.int32))
+
+
 def test_apply_switches_exact_modules_and_keeps_fp16_on_mlx(monkeypatch):
     class Block(nn.Module):
         def __init__(self):

@@ -1,7 +1,7 @@
 """mlx-lm's Qwen3 attention in its one-token form (cpu/one_token.py): for one token per row
 the very values of mlx-lm's layer (the decode batch's paged cache, mlx-lm's own cache, no
-cache), four graph nodes fewer; prompt chunks run mlx-lm's code; only exact Qwen3 attention
-layers are switched, once."""
+cache), four graph nodes fewer, eight with the kernels' norms and RoPE (their fused node);
+prompt chunks run mlx-lm's code; only exact Qwen3 attention layers are switched, once."""
 
 from __future__ import annotations
 
@@ -71,3 +71,30 @@ def test_prompt_chunks_run_mlx_lms_code(layers, tmp_path):
     got = b(x, cache=KVCache())
     assert "Transpose" in _nodes(got, tmp_path)
     assert mx.array_equal(a(x, cache=KVCache()), got).item()
+
+
+@pytest.mark.parametrize("name", ["qwen3-tiny", "qwen3-tiny-bf16"])
+def test_with_the_kernels_norm_and_rope_fuse(name, model_cache, tmp_path):
+    """Both models with the kernels' norms and RoPEs (norm_rope.apply), one also in one-token
+    form: q's and k's reshape, norm and RoPE are one node each, the same values."""
+    mk = pytest.importorskip("mas_kernels", reason="mas_kernels is not built")
+    from actors.model_runner.cpu import norm_rope
+
+    path = str(ensure_builtin(name, cache_dir=model_cache, progress=False))
+    stock, ours = load_model(path), load_model(path)
+    for model in (stock, ours):
+        assert norm_rope.apply(model, mk) > 0
+    one_token.apply(ours)
+    outs = []
+    for model in (stock, ours):
+        batch = DecodeBatch()
+        for row, n in ((1, 3), (2, 21)):
+            prompt = make_prompt_cache(model)
+            mx.eval(model(mx.array([[9 + row] * n]), cache=prompt))
+            batch.join(row, prompt)
+        outs.append(model(batch.inputs(mx.array([0, 31, 32], dtype=mx.int32)),
+                          cache=batch.caches))
+    mine, theirs = _nodes(outs[1], tmp_path), _nodes(outs[0], tmp_path)
+    assert mine.count("MasNormRope") == 2 * len(stock.model.layers)
+    assert len(theirs) - len(mine) == 8 * len(stock.model.layers), (len(theirs), len(mine))
+    assert mx.array_equal(outs[0], outs[1]).item()

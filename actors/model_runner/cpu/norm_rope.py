@@ -38,16 +38,33 @@ class KernelRMSNorm(nn.RMSNorm):
         return _kernels.rms_norm(x, weight, self.eps)
 
 
+def offsets_of(offset: int | mx.array) -> mx.array:
+    """A RoPE offset as the kernels take it: int32 [1], or [rows] per row."""
+    if not isinstance(offset, mx.array):
+        return mx.array([offset], dtype=mx.int32)
+    # The decode batch's offsets are int32 [n] already: no node added for them.
+    offsets = offset if offset.ndim == 1 else offset.reshape(-1)
+    return offsets if offsets.dtype == mx.int32 else offsets.astype(mx.int32)
+
+
 class KernelRoPE(nn.RoPE):
     def __call__(self, x: mx.array, offset: int | mx.array = 0) -> mx.array:
         if x.dtype not in KERNEL_DTYPES or x.ndim != 4:
             return super().__call__(x, offset)
-        if not isinstance(offset, mx.array):
-            offsets = mx.array([offset], dtype=mx.int32)
-        else:  # the decode batch's offsets are int32 [n] already: no node added for them
-            offsets = offset if offset.ndim == 1 else offset.reshape(-1)
-            offsets = offsets if offsets.dtype == mx.int32 else offsets.astype(mx.int32)
-        return _kernels.rope(x, self.dims, self.traditional, self.base, self.scale, offsets)
+        return _kernels.rope(x, self.dims, self.traditional, self.base, self.scale,
+                             offsets_of(offset))
+
+
+def heads_normed_rotated(x: mx.array, norm: nn.Module, rope: nn.Module, heads: int,
+                         offset: int | mx.array) -> mx.array:
+    """One token per row: x [rows, 1, heads x dim] as [rows, heads, 1, dim], each head
+    normed by `norm` and rotated by `rope`: one graph node where both are the kernels' (the
+    two nodes' very values), else the modules' own calls."""
+    if (_kernels is not None and type(norm) is KernelRMSNorm and type(rope) is KernelRoPE
+            and x.dtype in KERNEL_DTYPES and norm["weight"].dtype == x.dtype):
+        return _kernels.norm_rope(x, norm["weight"], norm.eps, heads, rope.dims,
+                                  rope.traditional, rope.base, rope.scale, offsets_of(offset))
+    return rope(norm(x.reshape(x.shape[0], heads, 1, -1)), offset=offset)
 
 
 _SWAPS = {nn.RMSNorm: KernelRMSNorm, nn.RoPE: KernelRoPE}

@@ -7,8 +7,10 @@ machine) is most of the runner thread's step. mlx-lm's attention reshapes q, k a
 heads, dim] and transposes them to [B, heads, L, dim], then transposes the attention's output
 back: four transposes a layer. With L = 1 each transpose is the same memory as a plain
 reshape, so here the arrays are reshaped straight to the layout the next op wants: the same
-values (the same ops on the same numbers), four nodes fewer a layer. Prompt chunks (L > 1)
-run mlx-lm's own code.
+values (the same ops on the same numbers), four nodes fewer a layer. And where the norms and
+RoPE are the kernels' (norm_rope.py), q's and k's reshape, norm and RoPE are one node each
+(mas_kernels.norm_rope, bit for bit the three's values): four fewer again. Prompt chunks
+(L > 1) run mlx-lm's own code.
 """
 
 from __future__ import annotations
@@ -19,21 +21,22 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models import qwen3
 
+from actors.model_runner.cpu.norm_rope import heads_normed_rotated
+
 
 class OneTokenAttention(qwen3.Attention):
     def __call__(self, x: mx.array, mask: mx.array | None = None, cache: Any = None) -> mx.array:
         B, L, _ = x.shape
         if L != 1:
             return super().__call__(x, mask, cache)
-        queries = self.q_norm(self.q_proj(x).reshape(B, self.n_heads, 1, -1))
-        keys = self.k_norm(self.k_proj(x).reshape(B, self.n_kv_heads, 1, -1))
+        offset = 0 if cache is None else cache.offset
+        queries = heads_normed_rotated(self.q_proj(x), self.q_norm, self.rope, self.n_heads,
+                                       offset)
+        keys = heads_normed_rotated(self.k_proj(x), self.k_norm, self.rope, self.n_kv_heads,
+                                    offset)
         values = self.v_proj(x).reshape(B, self.n_kv_heads, 1, -1)
         if cache is not None:
-            queries = self.rope(queries, offset=cache.offset)
-            keys = self.rope(keys, offset=cache.offset)
             keys, values = cache.update_and_fetch(keys, values)
-        else:
-            queries, keys = self.rope(queries), self.rope(keys)
         # Through the module global, as mlx-lm's code calls it (cpu/attention.py points it at
         # the decode batch's kernel).
         output = qwen3.scaled_dot_product_attention(queries, keys, values, cache=cache,
