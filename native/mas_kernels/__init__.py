@@ -1,6 +1,9 @@
 """CPU kernels for stored weight formats, as MLX primitives (DESIGN.md section 5b).
 
     affine_qmm(x, w, scales, biases, group_size=64, bits=4, *, stream=None) -> mx.array
+    affine_qmm_many(x, weights, group_size, bits, *, stream=None) -> tuple[mx.array, ...]
+    affine_swiglu(x, gate_w, gate_scales, gate_biases, up_w, up_scales, up_biases, group_size,
+                  bits, *, stream=None) -> mx.array
     bf16_matmul(x, w, *, stream=None) -> mx.array
     f32_matmul(x, w, *, stream=None) -> mx.array
     decode_attention(q, k, v, pages, lengths, scale, *, stream=None) -> mx.array
@@ -38,6 +41,8 @@ if _ext.mlx_version != mx.__version__:
         "installed: rebuild it (pip install --no-build-isolation ./native)")
 
 affine_qmm = _ext.affine_qmm
+affine_qmm_many = _ext.affine_qmm_many
+affine_swiglu = _ext.affine_swiglu
 bf16_matmul = _ext.bf16_matmul
 f32_matmul = _ext.f32_matmul
 decode_attention = _ext.decode_attention

@@ -3,6 +3,7 @@
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/variant.h>
+#include <nanobind/stl/vector.h>
 
 #include <stdexcept>
 #include <string>
@@ -28,6 +29,24 @@ NB_MODULE(_ext, m) {
         "Same result as mx.quantized_matmul(x, w, scales, biases, transpose=True, "
         "group_size=group_size, bits=bits) for mlx's affine layout; scales and biases may be "
         "float32, float16 or bfloat16.");
+  m.def(
+      "affine_qmm_many",
+      [](const mx::array& x, const std::vector<mx::array>& weights, int group_size, int bits,
+         mx::StreamOrDevice s) {
+        auto out = mas::affine_qmm_many(x, weights, group_size, bits, s);
+        nb::list got;
+        for (auto& a : out) got.append(a);
+        return nb::tuple(got);
+      },
+      "x"_a, "weights"_a, "group_size"_a, "bits"_a, nb::kw_only(), "stream"_a = nb::none(),
+      "Products of one x by several weights as one graph node: weights is a flat list of "
+      "(w, scales, biases) triples of one group size and bit width; -> one output per triple, "
+      "each affine_qmm(x, w, scales, biases) bit for bit.");
+  m.def("affine_swiglu", &mas::affine_swiglu, "x"_a, "gate_w"_a, "gate_scales"_a,
+        "gate_biases"_a, "up_w"_a, "up_scales"_a, "up_biases"_a, "group_size"_a, "bits"_a,
+        nb::kw_only(), "stream"_a = nb::none(),
+        "silu(x @ gate.T) * (x @ up.T) for affine-quantized gate and up weights as one graph "
+        "node: silu(affine_qmm(x, gate...), affine_qmm(x, up...)) bit for bit.");
   m.def("bf16_matmul", &mas::bf16_matmul, "x"_a, "w"_a, nb::kw_only(), "stream"_a = nb::none(),
         "x [..., K] float32 @ w.T with w bfloat16 [N, K] -> [..., N] float32.");
   m.def("f32_matmul", &mas::f32_matmul, "x"_a, "w"_a, nb::kw_only(), "stream"_a = nb::none(),

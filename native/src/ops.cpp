@@ -53,11 +53,6 @@ void strided_copy(const char* src, char* dst, const mx::Shape& shape, const mx::
   }
 }
 
-ScaleType scale_type(mx::Dtype t) {
-  if (t == mx::float32) return ScaleType::f32;
-  if (t == mx::float16) return ScaleType::f16;
-  return ScaleType::bf16;
-}
 
 }  // namespace
 
@@ -104,43 +99,55 @@ std::vector<mx::array> cpu_io(mx::cpu::CommandEncoder& enc, const std::vector<mx
   return in;
 }
 
-mx::array affine_qmm(const mx::array& x, const mx::array& w, const mx::array& scales,
-                     const mx::array& biases, int group_size, int bits, mx::StreamOrDevice s) {
+ScaleType scale_type(mx::Dtype t) {
+  if (t == mx::float32) return ScaleType::f32;
+  if (t == mx::float16) return ScaleType::f16;
+  return ScaleType::bf16;
+}
+
+void check_affine_qmm(const mx::array& x, const mx::array& w, const mx::array& scales,
+                      const mx::array& biases, int group_size, int bits,
+                      const std::string& op) {
   if (bits != 4 && bits != 8) {
-    throw std::invalid_argument("affine_qmm: bits must be 4 or 8, got " + std::to_string(bits));
+    throw std::invalid_argument(op + "bits must be 4 or 8, got " + std::to_string(bits));
   }
   if (group_size != 32 && group_size != 64 && group_size != 128) {
-    throw std::invalid_argument("affine_qmm: group_size must be 32, 64 or 128, got " +
+    throw std::invalid_argument(op + "group_size must be 32, 64 or 128, got " +
                                 std::to_string(group_size));
   }
   if (x.dtype() != mx::float32) {
-    throw std::invalid_argument("affine_qmm: x must be float32");
+    throw std::invalid_argument(op + "x must be float32");
   }
   if (w.dtype() != mx::uint32 || w.ndim() != 2) {
-    throw std::invalid_argument("affine_qmm: w must be a 2-D uint32 array [N, K*bits/32], got " +
+    throw std::invalid_argument(op + "w must be a 2-D uint32 array [N, K*bits/32], got " +
                                 shape_str(w.shape()));
   }
   const mx::Dtype st = scales.dtype();
   if (st != mx::float32 && st != mx::float16 && st != mx::bfloat16) {
-    throw std::invalid_argument("affine_qmm: scales must be float32, float16 or bfloat16");
+    throw std::invalid_argument(op + "scales must be float32, float16 or bfloat16");
   }
   if (biases.dtype() != st) {
-    throw std::invalid_argument("affine_qmm: biases must have the dtype of scales");
+    throw std::invalid_argument(op + "biases must have the dtype of scales");
   }
-  if (x.ndim() < 1) throw std::invalid_argument("affine_qmm: x must have at least 1 dimension");
+  if (x.ndim() < 1) throw std::invalid_argument(op + "x must have at least 1 dimension");
   const int64_t K = x.shape(-1), N = w.shape(0);
-  if (K == 0) throw std::invalid_argument("affine_qmm: K (the last dimension of x) is 0");
+  if (K == 0) throw std::invalid_argument(op + "K (the last dimension of x) is 0");
   if (static_cast<int64_t>(w.shape(1)) * 32 / bits != K || K % group_size != 0) {
-    throw std::invalid_argument("affine_qmm: x " + shape_str(x.shape()) + " does not match w " +
+    throw std::invalid_argument(op + "x " + shape_str(x.shape()) + " does not match w " +
                                 shape_str(w.shape()) + " at " + std::to_string(bits) +
                                 " bits, group size " + std::to_string(group_size));
   }
   const mx::Shape sshape = {static_cast<int>(N), static_cast<int>(K / group_size)};
   if (scales.shape() != sshape || biases.shape() != sshape) {
-    throw std::invalid_argument("affine_qmm: scales and biases must be " + shape_str(sshape) +
+    throw std::invalid_argument(op + "scales and biases must be " + shape_str(sshape) +
                                 ", got " + shape_str(scales.shape()) + " and " +
                                 shape_str(biases.shape()));
   }
+}
+
+mx::array affine_qmm(const mx::array& x, const mx::array& w, const mx::array& scales,
+                     const mx::array& biases, int group_size, int bits, mx::StreamOrDevice s) {
+  check_affine_qmm(x, w, scales, biases, group_size, bits, "affine_qmm: ");
   mx::Stream stream = cpu_stream(s, "affine_qmm");
   return mx::array(out_shape(x, w), mx::float32,
                    std::make_shared<AffineQmm>(stream, group_size, bits),

@@ -3,6 +3,7 @@
 
 #include <optional>
 
+#include "kernels.h"
 #include "mlx/array.h"
 #include "mlx/backend/cpu/encoder.h"
 #include "mlx/primitives.h"
@@ -25,6 +26,12 @@ mx::array row_contiguous(const mx::array& a, mlx::core::cpu::CommandEncoder& enc
 std::vector<mx::array> cpu_io(mlx::core::cpu::CommandEncoder& enc,
                               const std::vector<mx::array>& inputs,
                               std::vector<mx::array> outputs);
+
+// affine_qmm's argument checks (ValueError text prefixed by `op`), and the kernels' name of a
+// scales dtype (float32, float16, else bfloat16).
+void check_affine_qmm(const mx::array& x, const mx::array& w, const mx::array& scales,
+                      const mx::array& biases, int group_size, int bits, const std::string& op);
+ScaleType scale_type(mx::Dtype t);
 
 // x [..., K] float32 @ dequantize(w, scales, biases).T -> [..., N] float32 (mlx affine mode).
 mx::array affine_qmm(const mx::array& x, const mx::array& w, const mx::array& scales,
@@ -203,6 +210,48 @@ class NormRope : public mx::UnaryPrimitive {
   int dims_;
   bool traditional_;
   float base_, scale_;
+};
+
+// Products sharing x (fused_products.cpp), each as affine_qmm computes it, in one node:
+// affine_qmm_many takes (w, scales, biases) triples of one group size and bit width and gives
+// one output per triple; affine_swiglu gives silu(x @ gate.T) * (x @ up.T) (silu's kernel).
+std::vector<mx::array> affine_qmm_many(const mx::array& x, const std::vector<mx::array>& weights,
+                                       int group_size, int bits, mx::StreamOrDevice s = {});
+mx::array affine_swiglu(const mx::array& x, const mx::array& gate_w, const mx::array& gate_s,
+                        const mx::array& gate_b, const mx::array& up_w, const mx::array& up_s,
+                        const mx::array& up_b, int group_size, int bits,
+                        mx::StreamOrDevice s = {});
+
+class AffineQmmMany : public mx::Primitive {
+ public:
+  AffineQmmMany(mx::Stream stream, int group, int bits)
+      : mx::Primitive(stream), group_(group), bits_(bits) {}
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  const char* name() const override { return "MasAffineQmmMany"; }
+  bool is_equivalent(const mx::Primitive& other) const override;
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override;
+
+ private:
+  int group_, bits_;
+};
+
+class AffineSwiglu : public mx::UnaryPrimitive {
+ public:
+  AffineSwiglu(mx::Stream stream, int group, int bits)
+      : mx::UnaryPrimitive(stream), group_(group), bits_(bits) {}
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+  const char* name() const override { return "MasAffineSwiglu"; }
+  bool is_equivalent(const mx::Primitive& other) const override;
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    mx::Shape s = inputs[0].shape();
+    s.back() = inputs[1].shape(0);
+    return {s};
+  }
+
+ private:
+  int group_, bits_;
 };
 
 class GatedDelta : public mx::Primitive {

@@ -101,7 +101,7 @@ def test_bad_arguments_raise():
 @pytest.mark.parametrize("traditional,dims,offsets", [(False, 64, [0, 17, 300]), (True, 32, [5])])
 def test_norm_rope_is_the_norm_then_the_rope_bit_for_bit(dtype, traditional, dims, offsets):
     """One token per row, [rows, 1, heads x dim] in: the very values of rms_norm on the heads
-    then rope, the two nodes it stands in for (cpu/one_token.py)."""
+    then rope, the two nodes it stands in for (cpu/qwen3_layers.py)."""
     x = (mx.random.normal((3, 1, 8 * 64), key=mx.random.key(7)) * 3).astype(dtype)
     w = mx.random.normal((64,), key=mx.random.key(8)).astype(dtype)
     off = mx.array(offsets, dtype=mx.int32)

@@ -9,8 +9,7 @@
   `runtime.weights = "auto"` where the kernels are built, CPU only);
 - norm_rope.py: RMS norms and RoPEs as one graph node each through the compiled kernels (same
   condition);
-- one_token.py: mlx-lm's Qwen3 attention for one token per row without its transposes (same
-  condition);
+- qwen3_layers.py: mlx-lm's Qwen3 attention and MLP in fewer graph nodes (same condition);
 - chunked_delta.py: the gated-delta recurrence of hybrid models through the compiled kernel,
   or in blocks of matrix products (`runtime.linear_prefill`);
 - fastmath.py: the attention softmax and the SiLU in NumPy (`runtime.fast_math`, CPU only);
@@ -52,7 +51,7 @@ class Installed:
     fast_math_globals: int  # mlx-lm module globals pointed at fastmath's dispatchers
     decode_attention: bool  # whether the decode batch's attention takes the compiled kernel
     norm_rope_modules: int  # RMS norm and RoPE modules switched to the compiled kernels
-    one_token_layers: int  # attention layers switched to their one-token form
+    qwen3_layers: int  # Qwen3 attention and MLP layers switched to their few-node forms
     buffer_cache_mib: int  # MLX's buffer cache limit set (0: MLX's default kept)
     head_modules: int  # LM head modules that can cut to the last position
     greedy_head_mib: float  # the greedy head's int8 copy of the LM head (0: not in use)
@@ -85,7 +84,7 @@ def install(model: nn.Module, runtime: RuntimeConfig, vocab_size: int) -> Instal
     """Apply every patch the `[runtime]` config asks for to `model` (in place)."""
     from actors.model_runner import chunked_delta
     from actors.model_runner.cpu import (attention, blas, fastmath, greedy_head, head,
-                                         norm_rope, one_token, skinny, weights)
+                                         norm_rope, qwen3_layers, skinny, weights)
 
     import mlx.core as mx
 
@@ -118,7 +117,7 @@ def install(model: nn.Module, runtime: RuntimeConfig, vocab_size: int) -> Instal
         fast_math_globals=fast_math_globals,
         decode_attention=compiled is not None,
         norm_rope_modules=norm_rope.apply(model, compiled) if compiled is not None else 0,
-        one_token_layers=one_token.apply(model) if compiled is not None else 0,
+        qwen3_layers=qwen3_layers.apply(model) if compiled is not None else 0,
         buffer_cache_mib=cache_mib,
         head_modules=head_modules,
         greedy_head_mib=round(greedy.nbytes / 2**20, 1) if greedy is not None else 0.0,

@@ -169,6 +169,11 @@ def _kernel_path(gate: mx.array, *others: mx.array) -> bool:
             and all(o.shape == gate.shape for o in others))
 
 
+def swiglu_takes_kernel() -> bool:
+    """Whether swiglu() of float32 arrays takes the SiLU kernel (on this thread, now)."""
+    return _kernels is not None and _on.get() and mx.default_device() == mx.cpu
+
+
 def swiglu(gate: mx.array, x: mx.array) -> mx.array:
     """silu(gate) * x: the kernel, else the sigmoid's exp in NumPy when it pays."""
     if _kernel_path(gate, x):

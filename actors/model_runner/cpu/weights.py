@@ -124,6 +124,41 @@ def _dense_product(module: nn.Module, x: mx.array, strategy: str) -> mx.array:
     return x @ module.weight.T
 
 
+def _kernel_triple(module: nn.Module) -> tuple[mx.array, mx.array, mx.array] | None:
+    """A quantized layer's (weight, scales, biases) where our kernel multiplies it, else None."""
+    if isinstance(module, StoredQuantizedLinear) and module.strategy == "kernel" \
+            and "bias" not in module:
+        return module.weight, module.scales, module["biases"]
+    return None
+
+
+def _shared_format(x: mx.array, modules: list[nn.Module]) -> list | None:
+    triples = [_kernel_triple(m) for m in modules]
+    if (x.dtype != mx.float32 or any(t is None for t in triples)
+            or len({(m.group_size, m.bits) for m in modules}) != 1):
+        return None
+    return [a for t in triples for a in t]
+
+
+def shared_products(x: mx.array, modules: list[nn.Module]) -> list[mx.array] | None:
+    """[m(x) for m in modules] as one graph node (mas_kernels.affine_qmm_many: each product
+    affine_qmm's values) where our kernel multiplies them all in one format; else None."""
+    arrays = _shared_format(x, modules)
+    if arrays is None:
+        return None
+    return list(_kernels.affine_qmm_many(x, arrays, modules[0].group_size, modules[0].bits))
+
+
+def swiglu_product(x: mx.array, gate: nn.Module, up: nn.Module) -> mx.array | None:
+    """silu(gate(x)) * up(x) as one graph node (mas_kernels.affine_swiglu: the two products'
+    and the SiLU kernel's values) where our kernel multiplies both in one format; else None.
+    The caller checks that its SwiGLU would take the SiLU kernel."""
+    arrays = _shared_format(x, [gate, up])
+    if arrays is None:
+        return None
+    return _kernels.affine_swiglu(x, *arrays, gate.group_size, gate.bits)
+
+
 class _Stored:
     """Mixin of a layer multiplied by its kind's strategy (set per class, see _class_for)."""
 

@@ -1,0 +1,177 @@
+"""mlx-lm's Qwen3 attention and MLP in few-node forms (cpu/qwen3_layers.py): for one token per
+row the very values of mlx-lm's attention layer (the decode batch's paged cache, mlx-lm's own
+cache, no cache), four graph nodes fewer, eight with the kernels' norms and RoPE (their fused
+node), and with the runner's 4-bit and 8-bit kernels the q, k, v products and the MLP's gate,
+up and SiLU one node each, still mlx-lm's tokens; prompt chunks run mlx-lm's code; only exact
+Qwen3 layers are switched, once."""
+
+from __future__ import annotations
+
+import re
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models import qwen3
+from mlx_lm.models.cache import KVCache, make_prompt_cache
+
+from actors.model_runner.cpu import qwen3_layers
+from actors.model_runner.decode_batch import DecodeBatch
+from actors.model_runner.loading import load_model
+from models.builtin import ensure_builtin
+
+
+@pytest.fixture(scope="module")
+def layers(model_cache):
+    path = str(ensure_builtin("qwen3-tiny", cache_dir=model_cache, progress=False))
+    stock, ours = load_model(path), load_model(path)
+    assert qwen3_layers.apply(ours) == 2 * len(ours.model.layers)  # attention and MLP
+    assert qwen3_layers.apply(ours) == 0  # a second call switches none
+    assert type(stock.model.layers[0].self_attn) is qwen3.Attention
+    return stock, ours
+
+
+def _nodes(out: mx.array, tmp_path) -> list[str]:
+    mx.export_to_dot(str(tmp_path / "g.dot"), out)
+    return re.findall(r'label ="([^"]+)"', (tmp_path / "g.dot").read_text())
+
+
+def test_one_token_rows_get_mlx_lms_values_in_fewer_nodes(layers, tmp_path):
+    stock, ours = layers
+    a, b = stock.model.layers[0].self_attn, ours.model.layers[0].self_attn
+    x = mx.random.normal((3, 1, stock.args.hidden_size), key=mx.random.key(4))
+    # No cache; mlx-lm's own cache after a 5-token prompt.
+    assert mx.array_equal(a(x), b(x)).item()
+    caches = []
+    for layer in (a, b):
+        cache = KVCache()
+        layer(mx.random.normal((3, 5, stock.args.hidden_size), key=mx.random.key(5)),
+              cache=cache)
+        caches.append(cache)
+    want, got = a(x, cache=caches[0]), b(x, cache=caches[1])
+    assert mx.array_equal(want, got).item()
+    assert mx.array_equal(caches[0].keys[..., :6, :], caches[1].keys[..., :6, :]).item()
+    # The decode batch's paged cache, rows of different lengths.
+    outs = []
+    for model in (stock, ours):
+        batch = DecodeBatch()
+        for row, n in ((1, 4), (2, 19), (3, 7)):
+            prompt = make_prompt_cache(model)
+            mx.eval(model(mx.array([[5 + row] * n]), cache=prompt))
+            batch.join(row, prompt)
+        tokens = mx.array([0, 11, 12, 13], dtype=mx.int32)
+        outs.append(model(batch.inputs(tokens), cache=batch.caches))
+    mine, theirs = _nodes(outs[1], tmp_path), _nodes(outs[0], tmp_path)
+    assert len(theirs) - len(mine) == 4 * len(stock.model.layers), (len(theirs), len(mine))
+    assert theirs.count("Transpose") - mine.count("Transpose") == 4 * len(stock.model.layers)
+    assert mx.array_equal(outs[0], outs[1]).item()
+
+
+def test_prompt_chunks_run_mlx_lms_code(layers, tmp_path):
+    stock, ours = layers
+    a, b = stock.model.layers[1].self_attn, ours.model.layers[1].self_attn
+    x = mx.random.normal((2, 6, stock.args.hidden_size), key=mx.random.key(6))
+    got = b(x, cache=KVCache())
+    assert "Transpose" in _nodes(got, tmp_path)
+    assert mx.array_equal(a(x, cache=KVCache()), got).item()
+
+
+@pytest.mark.parametrize("name", ["qwen3-tiny", "qwen3-tiny-bf16"])
+def test_with_the_kernels_norm_and_rope_fuse(name, model_cache, tmp_path):
+    """Both models with the kernels' norms and RoPEs (norm_rope.apply), one also in one-token
+    form: q's and k's reshape, norm and RoPE are one node each, the same values."""
+    mk = pytest.importorskip("mas_kernels", reason="mas_kernels is not built")
+    from actors.model_runner.cpu import norm_rope
+
+    path = str(ensure_builtin(name, cache_dir=model_cache, progress=False))
+    stock, ours = load_model(path), load_model(path)
+    for model in (stock, ours):
+        assert norm_rope.apply(model, mk) > 0
+    qwen3_layers.apply(ours)
+    outs = []
+    for model in (stock, ours):
+        batch = DecodeBatch()
+        for row, n in ((1, 3), (2, 21)):
+            prompt = make_prompt_cache(model)
+            mx.eval(model(mx.array([[9 + row] * n]), cache=prompt))
+            batch.join(row, prompt)
+        outs.append(model(batch.inputs(mx.array([0, 31, 32], dtype=mx.int32)),
+                          cache=batch.caches))
+    mine, theirs = _nodes(outs[1], tmp_path), _nodes(outs[0], tmp_path)
+    assert mine.count("MasNormRope") == 2 * len(stock.model.layers)
+    assert len(theirs) - len(mine) == 8 * len(stock.model.layers), (len(theirs), len(mine))
+    assert mx.array_equal(outs[0], outs[1]).item()
+
+
+def test_fused_products_are_the_separate_nodes_bit_for_bit():
+    mk = pytest.importorskip("mas_kernels", reason="mas_kernels is not built")
+    for bits, group, m in ((4, 64, 1), (8, 32, 3), (4, 128, 40)):
+        x = mx.random.normal((m, 1, 256), key=mx.random.key(bits + m))
+        ws = []
+        for i, n in enumerate((512, 128, 128)):
+            w = mx.random.normal((n, 256), key=mx.random.key(10 + i)) * 0.05
+            ws += mx.quantize(w, group_size=group, bits=bits)
+        many = mk.affine_qmm_many(x, ws, group, bits)
+        for i, got in enumerate(many):
+            assert mx.array_equal(got, mk.affine_qmm(x, *ws[3 * i:3 * i + 3], group, bits)).item()
+        got = mk.affine_swiglu(x, *ws[3:9], group, bits)
+        want = mk.silu(mk.affine_qmm(x, *ws[3:6], group, bits),
+                       mk.affine_qmm(x, *ws[6:9], group, bits))
+        assert got.shape == (m, 1, 128) and mx.array_equal(got, want).item()
+    with pytest.raises(ValueError, match="affine_qmm_many: bits must be 4 or 8"):
+        mk.affine_qmm_many(x, ws, group, 3)
+    with pytest.raises(ValueError, match="triples"):
+        mk.affine_qmm_many(x, ws[:4], group, bits)
+    with pytest.raises(ValueError, match="as many rows"):
+        mk.affine_swiglu(x, *ws[0:3], *ws[3:6], group, bits)
+    with pytest.raises(ValueError, match="affine_swiglu: x must be float32"):
+        mk.affine_swiglu(x.astype(mx.bfloat16), *ws[3:9], group, bits)
+
+
+@pytest.mark.parametrize("name", ["qwen3-tiny-4bit", "qwen3-tiny-8bit"])
+def test_quantized_layers_fuse_their_products(name, model_cache, tmp_path):
+    """The runner's install (cpu.install: the kernels' products, norms, RoPEs, SiLU): a decode
+    step's q, k, v products one node and the MLP's gate, up and SiLU one node per layer, the
+    logits of an install without the few-node forms, and greedy tokens mlx-lm's."""
+    pytest.importorskip("mas_kernels", reason="mas_kernels is not built")
+    from actors.model_runner import cpu
+    from protocol.config import RuntimeConfig
+    from tests.e2e.oracle import Oracle
+
+    path = str(ensure_builtin(name, cache_dir=model_cache, progress=False))
+    plain, ours = load_model(path), load_model(path)
+    swaps = dict(qwen3_layers._SWAPS)
+    qwen3_layers._SWAPS.clear()  # `plain`: the same install without the few-node forms
+    try:
+        cpu.install(plain, RuntimeConfig(), plain.args.vocab_size)
+    finally:
+        qwen3_layers._SWAPS.update(swaps)
+    installed = cpu.install(ours, RuntimeConfig(), ours.args.vocab_size)
+    assert installed.qwen3_layers == 2 * len(ours.model.layers)
+    outs = []
+    for model in (plain, ours):
+        batch = DecodeBatch()
+        for row, n in ((1, 5), (2, 18)):
+            prompt = make_prompt_cache(model)
+            mx.eval(model(mx.array([[40 + row] * n]), cache=prompt))
+            batch.join(row, prompt)
+        with installed.steps():
+            outs.append(model(batch.inputs(mx.array([0, 77, 78], dtype=mx.int32)),
+                              cache=batch.caches))
+    mine, theirs = _nodes(outs[1], tmp_path), _nodes(outs[0], tmp_path)
+    layers = len(ours.model.layers)
+    assert mine.count("MasAffineQmmMany") == layers and mine.count("MasAffineSwiglu") == layers
+    assert len(theirs) - len(mine) == 12 * layers, (len(theirs), len(mine))
+    assert mx.array_equal(outs[0], outs[1]).item()
+    # Greedy tokens through the runner (compiled decode, greedy head) are mlx-lm's.
+    from actors.model_runner.runner import ModelRunner
+    from actors.scheduler.core import Scheduler
+    from models.info import read_model_info
+    from tests.unit.drive import drive
+
+    info, oracle = read_model_info(path), Oracle(path)
+    ids = oracle.tokenizer.encode("The quick brown fox jumps over")
+    runner = ModelRunner(load_model(path), 2, kv_slots=1 << 12, runtime=RuntimeConfig())
+    sched = Scheduler(max_running=2, chunked_prefill_size=16, kv_slots=1 << 12,
+                      context_length=info.context_length, eos_ids=[], output_reserve=64)
+    tokens, _, _ = drive(sched, runner, {0: [("a", ids, 24)]}, 2)
+    oracle.check(ids, tokens["a"], oracle.greedy(ids, 24))
