@@ -8,6 +8,7 @@ Qwen3 layers are switched, once."""
 from __future__ import annotations
 
 import re
+from contextlib import nullcontext
 
 import mlx.core as mx
 import pytest
@@ -35,6 +36,20 @@ def _nodes(out: mx.array, tmp_path) -> list[str]:
     return re.findall(r'label ="([^"]+)"', (tmp_path / "g.dot").read_text())
 
 
+def _decode_step(model, lengths: list[int], first: int, context=None) -> mx.array:
+    """The model's output for one decode step of the decode batch: rows 1.. with prompts of
+    `lengths` (token first + row), each then fed token first + 30 + row (inside `context`)."""
+    batch = DecodeBatch()
+    for row, n in enumerate(lengths, 1):
+        prompt = make_prompt_cache(model)
+        mx.eval(model(mx.array([[first + row] * n]), cache=prompt))
+        batch.join(row, prompt)
+    tokens = mx.array([0] + [first + 30 + row for row in range(1, len(lengths) + 1)],
+                      dtype=mx.int32)
+    with context if context is not None else nullcontext():
+        return model(batch.inputs(tokens), cache=batch.caches)
+
+
 def test_one_token_rows_get_mlx_lms_values_in_fewer_nodes(layers, tmp_path):
     stock, ours = layers
     a, b = stock.model.layers[0].self_attn, ours.model.layers[0].self_attn
@@ -51,15 +66,7 @@ def test_one_token_rows_get_mlx_lms_values_in_fewer_nodes(layers, tmp_path):
     assert mx.array_equal(want, got).item()
     assert mx.array_equal(caches[0].keys[..., :6, :], caches[1].keys[..., :6, :]).item()
     # The decode batch's paged cache, rows of different lengths.
-    outs = []
-    for model in (stock, ours):
-        batch = DecodeBatch()
-        for row, n in ((1, 4), (2, 19), (3, 7)):
-            prompt = make_prompt_cache(model)
-            mx.eval(model(mx.array([[5 + row] * n]), cache=prompt))
-            batch.join(row, prompt)
-        tokens = mx.array([0, 11, 12, 13], dtype=mx.int32)
-        outs.append(model(batch.inputs(tokens), cache=batch.caches))
+    outs = [_decode_step(model, [4, 19, 7], 5) for model in (stock, ours)]
     mine, theirs = _nodes(outs[1], tmp_path), _nodes(outs[0], tmp_path)
     assert len(theirs) - len(mine) == 4 * len(stock.model.layers), (len(theirs), len(mine))
     assert theirs.count("Transpose") - mine.count("Transpose") == 4 * len(stock.model.layers)
@@ -87,15 +94,7 @@ def test_with_the_kernels_norm_and_rope_fuse(name, model_cache, tmp_path):
     for model in (stock, ours):
         assert norm_rope.apply(model, mk) > 0
     qwen3_layers.apply(ours)
-    outs = []
-    for model in (stock, ours):
-        batch = DecodeBatch()
-        for row, n in ((1, 3), (2, 21)):
-            prompt = make_prompt_cache(model)
-            mx.eval(model(mx.array([[9 + row] * n]), cache=prompt))
-            batch.join(row, prompt)
-        outs.append(model(batch.inputs(mx.array([0, 31, 32], dtype=mx.int32)),
-                          cache=batch.caches))
+    outs = [_decode_step(model, [3, 21], 9) for model in (stock, ours)]
     mine, theirs = _nodes(outs[1], tmp_path), _nodes(outs[0], tmp_path)
     assert mine.count("MasNormRope") == 2 * len(stock.model.layers)
     assert len(theirs) - len(mine) == 8 * len(stock.model.layers), (len(theirs), len(mine))
@@ -147,16 +146,7 @@ def test_quantized_layers_fuse_their_products(name, model_cache, tmp_path):
         qwen3_layers._SWAPS.update(swaps)
     installed = cpu.install(ours, RuntimeConfig(), ours.args.vocab_size)
     assert installed.qwen3_layers == 2 * len(ours.model.layers)
-    outs = []
-    for model in (plain, ours):
-        batch = DecodeBatch()
-        for row, n in ((1, 5), (2, 18)):
-            prompt = make_prompt_cache(model)
-            mx.eval(model(mx.array([[40 + row] * n]), cache=prompt))
-            batch.join(row, prompt)
-        with installed.steps():
-            outs.append(model(batch.inputs(mx.array([0, 77, 78], dtype=mx.int32)),
-                              cache=batch.caches))
+    outs = [_decode_step(model, [5, 18], 40, installed.steps()) for model in (plain, ours)]
     mine, theirs = _nodes(outs[1], tmp_path), _nodes(outs[0], tmp_path)
     layers = len(ours.model.layers)
     assert mine.count("MasAffineQmmMany") == layers and mine.count("MasAffineSwiglu") == layers

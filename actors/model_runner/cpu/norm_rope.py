@@ -75,9 +75,15 @@ def apply(model: nn.Module, kernels: Any) -> int:
     switched; a second call switches none."""
     global _kernels
     _kernels = kernels
+    return swap_classes(model, _SWAPS)
+
+
+def swap_classes(model: nn.Module, swaps: dict[type, type]) -> int:
+    """Switch each module of exactly a class in `swaps` to its subclass there, in place.
+    Returns how many were switched (a module switched already is not of the class)."""
     changed = 0
     for _, module in model.named_modules():
-        swap = _SWAPS.get(type(module))
+        swap = swaps.get(type(module))
         if swap is not None:
             module.__class__ = swap
             changed += 1

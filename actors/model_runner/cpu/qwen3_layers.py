@@ -26,7 +26,7 @@ import mlx.nn as nn
 from mlx_lm.models import qwen3
 
 from actors.model_runner.cpu import fastmath
-from actors.model_runner.cpu.norm_rope import heads_normed_rotated
+from actors.model_runner.cpu.norm_rope import heads_normed_rotated, swap_classes
 from actors.model_runner.cpu.weights import shared_products, swiglu_product
 
 
@@ -63,10 +63,4 @@ _SWAPS = {qwen3.Attention: OneTokenAttention, qwen3.MLP: FusedMLP}
 def apply(model: nn.Module) -> int:
     """Switch the model's layers of the classes above to their forms here. Returns how many
     were switched; a second call switches none."""
-    changed = 0
-    for _, module in model.named_modules():
-        swap = _SWAPS.get(type(module))
-        if swap is not None:
-            module.__class__ = swap
-            changed += 1
-    return changed
+    return swap_classes(model, _SWAPS)
