@@ -197,7 +197,8 @@ class BatchedKV:
         self.reserve(keys, values)
         index = p.writes(keys.shape[1])
         write = pool_writer.get()
-        if write is not None and keys.dtype == values.dtype == self.keys.dtype:
+        if (write is not None and keys.dtype == values.dtype == self.keys.dtype
+                == self.values.dtype and keys.shape[2] == values.shape[2] == 1):
             self.keys, self.values = write(self.keys, index, keys), write(self.values, index, values)
         else:  # one scatter per pool seen flat, in place (the old buffer is donated)
             written = []

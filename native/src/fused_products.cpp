@@ -17,35 +17,15 @@
 namespace mas {
 namespace {
 
-// The weights of each product, after x: (w, scales, biases) per product.
+// x and each product's (w, scales, biases), as affine_qmm checks them.
 void check_products(const mx::array& x, const std::vector<mx::array>& weights, int group_size,
                     int bits, const std::string& op) {
-  if (x.dtype() != mx::float32 || x.ndim() < 1) {
-    throw std::invalid_argument(op + "x must be float32 [..., K]");
-  }
   if (weights.empty() || weights.size() % 3 != 0) {
     throw std::invalid_argument(op + "weights must be (w, scales, biases) triples");
   }
   for (size_t i = 0; i < weights.size(); i += 3) {
     check_affine_qmm(x, weights[i], weights[i + 1], weights[i + 2], group_size, bits, op);
   }
-}
-
-QmmArgs product(const float* x, int64_t M, int64_t K, const mx::array& w, const mx::array& s,
-                const mx::array& b, int group_size, int bits, float* out) {
-  QmmArgs a;
-  a.x = x;
-  a.w = w.data<uint32_t>();
-  a.scales = s.data<void>();
-  a.biases = b.data<void>();
-  a.st = scale_type(s.dtype());
-  a.out = out;
-  a.M = M;
-  a.N = w.shape(0);
-  a.K = K;
-  a.group_size = group_size;
-  a.bits = bits;
-  return a;
 }
 
 mx::Shape with_last(const mx::array& x, int n) {
@@ -80,7 +60,7 @@ void AffineQmmMany::eval_cpu(const std::vector<mx::array>& inputs,
   const int64_t K = in[0].shape(-1), M = K ? static_cast<int64_t>(in[0].size()) / K : 0;
   std::vector<QmmArgs> args;
   for (size_t i = 0; i < outputs.size(); ++i) {
-    args.push_back(product(in[0].data<float>(), M, K, in[1 + 3 * i], in[2 + 3 * i],
+    args.push_back(qmm_args(in[0].data<float>(), M, K, in[1 + 3 * i], in[2 + 3 * i],
                            in[3 + 3 * i], group_, bits_, outputs[i].data<float>()));
   }
   if (M == 0) return;
@@ -133,9 +113,9 @@ void AffineSwiglu::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out
   mx::array up(mx::allocator::malloc(out.nbytes()), out.shape(), mx::float32);
   enc.add_temporary(gate);
   enc.add_temporary(up);
-  const QmmArgs g = product(in[0].data<float>(), M, K, in[1], in[2], in[3], group_, bits_,
+  const QmmArgs g = qmm_args(in[0].data<float>(), M, K, in[1], in[2], in[3], group_, bits_,
                             gate.data<float>());
-  const QmmArgs u = product(in[0].data<float>(), M, K, in[4], in[5], in[6], group_, bits_,
+  const QmmArgs u = qmm_args(in[0].data<float>(), M, K, in[4], in[5], in[6], group_, bits_,
                             up.data<float>());
   const ActArgs act{gate.data<void>(), up.data<void>(), out.data<void>(), n, false};
   enc.dispatch([g, u, act]() {

@@ -3,9 +3,9 @@
 // Why: written with MLX's indexing (`flat[index] = new` on each pool seen flat), a layer's
 // write is eight nodes (reshapes around two scatters), 64 of a qwen3-small step's ~340. Each
 // node costs the CPU stream and the thread that submits it a few microseconds whatever its
-// size; here each pool's write is one node. The pool is written in place when MLX lets it be
-// donated (nothing else holds it), as its Scatter does; otherwise it is copied first, as its
-// Scatter does too. (One node for both pools would not do: each output of a multi-output
+// size; here each pool's write is one node. The pool is written in place when MLX's own ops
+// could take it over (nothing else holds it); otherwise it is copied first, as MLX's Scatter
+// does too. (One node for both pools would not do: each output of a multi-output
 // node holds the inputs, so MLX would never let them be donated.)
 #include <atomic>
 #include <cstring>
@@ -20,9 +20,12 @@ namespace {
 
 std::atomic<int64_t> g_copies{0};  // pools copied because they could not be donated
 
-// `out` takes over `pool`'s buffer where MLX allows it; else a copy of it, made on the stream.
+// `out` takes over `pool`'s buffer where MLX would let its own ops donate it (nothing else
+// holds it, and it is not a view into a much larger buffer that it would keep alive); else a
+// copy of it, made on the stream.
 void take_or_copy(const mx::array& pool, mx::array& out, mx::cpu::CommandEncoder& enc) {
-  if (pool.is_donatable() && pool.flags().row_contiguous) {
+  if (pool.is_donatable() && pool.flags().row_contiguous &&
+      pool.buffer_size() <= pool.nbytes() + (16 << 10)) {
     out.copy_shared_buffer(pool);
     return;
   }

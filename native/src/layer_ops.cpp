@@ -9,6 +9,7 @@
 // a pass is a few microseconds.
 #include <cmath>
 #include <stdexcept>
+#include <string>
 #include <vector>
 
 #include "mlx/allocator.h"
@@ -77,6 +78,25 @@ bool RmsNorm::is_equivalent(const mx::Primitive& other) const {
   return eps_ == static_cast<const RmsNorm&>(other).eps_;
 }
 
+namespace {
+
+// RoPE's dims (of a head of `dim`) and offsets (int32 [1] or one per row, `rows` named
+// `rows_name` in the message) as rope and norm_rope take them.
+void check_rope(int dims, int dim, const mx::array& offsets, int rows, const std::string& op,
+                const char* rows_name) {
+  if (dims <= 0 || dims % 2 != 0 || dims > dim) {
+    throw std::invalid_argument(op + "dims must be even, positive and at most " +
+                                std::to_string(dim) + ", got " + std::to_string(dims));
+  }
+  if (offsets.dtype() != mx::int32 || offsets.ndim() != 1 ||
+      (offsets.shape(0) != 1 && offsets.shape(0) != rows)) {
+    throw std::invalid_argument(op + "offsets must be int32 [1] or [" + rows_name + "] = [" +
+                                std::to_string(rows) + "], got " + shape_str(offsets.shape()));
+  }
+}
+
+}  // namespace
+
 mx::array rope(const mx::array& x, int dims, bool traditional, float base, float scale,
                const mx::array& offsets, mx::StreamOrDevice s) {
   if (x.dtype() != mx::float32 && x.dtype() != mx::bfloat16) {
@@ -86,16 +106,7 @@ mx::array rope(const mx::array& x, int dims, bool traditional, float base, float
     throw std::invalid_argument("rope: x must be [batch, heads, tokens, dim], got " +
                                 shape_str(x.shape()));
   }
-  if (dims <= 0 || dims % 2 != 0 || dims > x.shape(3)) {
-    throw std::invalid_argument("rope: dims must be even, positive and at most " +
-                                std::to_string(x.shape(3)) + ", got " + std::to_string(dims));
-  }
-  if (offsets.dtype() != mx::int32 || offsets.ndim() != 1 ||
-      (offsets.shape(0) != 1 && offsets.shape(0) != x.shape(0))) {
-    throw std::invalid_argument("rope: offsets must be int32 [1] or [batch] = [" +
-                                std::to_string(x.shape(0)) + "], got " +
-                                shape_str(offsets.shape()));
-  }
+  check_rope(dims, x.shape(3), offsets, x.shape(0), "rope: ", "batch");
   mx::Stream stream = cpu_stream(s, "rope");
   return mx::array(x.shape(), x.dtype(),
                    std::make_shared<Rope>(stream, dims, traditional, base, scale),
@@ -199,16 +210,7 @@ mx::array norm_rope(const mx::array& x, const mx::array& weight, float eps, int 
     throw std::invalid_argument("norm_rope: weight must be [" + std::to_string(D) + "], got " +
                                 shape_str(weight.shape()));
   }
-  if (dims <= 0 || dims % 2 != 0 || dims > D) {
-    throw std::invalid_argument("norm_rope: dims must be even, positive and at most " +
-                                std::to_string(D) + ", got " + std::to_string(dims));
-  }
-  if (offsets.dtype() != mx::int32 || offsets.ndim() != 1 ||
-      (offsets.shape(0) != 1 && offsets.shape(0) != x.shape(0))) {
-    throw std::invalid_argument("norm_rope: offsets must be int32 [1] or [rows] = [" +
-                                std::to_string(x.shape(0)) + "], got " +
-                                shape_str(offsets.shape()));
-  }
+  check_rope(dims, D, offsets, x.shape(0), "norm_rope: ", "rows");
   mx::Stream stream = cpu_stream(s, "norm_rope");
   return mx::array({x.shape(0), heads, 1, D}, x.dtype(),
                    std::make_shared<NormRope>(stream, eps, dims, traditional, base, scale),

@@ -145,6 +145,23 @@ void check_affine_qmm(const mx::array& x, const mx::array& w, const mx::array& s
   }
 }
 
+QmmArgs qmm_args(const float* x, int64_t M, int64_t K, const mx::array& w, const mx::array& scales,
+                 const mx::array& biases, int group_size, int bits, float* out) {
+  QmmArgs a;
+  a.x = x;
+  a.w = w.data<uint32_t>();
+  a.scales = scales.data<void>();
+  a.biases = biases.data<void>();
+  a.st = scale_type(scales.dtype());
+  a.out = out;
+  a.M = M;
+  a.N = w.shape(0);
+  a.K = K;
+  a.group_size = group_size;
+  a.bits = bits;
+  return a;
+}
+
 mx::array affine_qmm(const mx::array& x, const mx::array& w, const mx::array& scales,
                      const mx::array& biases, int group_size, int bits, mx::StreamOrDevice s) {
   check_affine_qmm(x, w, scales, biases, group_size, bits, "affine_qmm: ");
@@ -164,18 +181,9 @@ void AffineQmm::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
   mx::array bi = row_contiguous(inputs[3], enc);
   for (const auto& a : {x, w, sc, bi}) enc.set_input_array(a);
   enc.set_output_array(out);
-  QmmArgs args;
-  args.x = x.data<float>();
-  args.w = w.data<uint32_t>();
-  args.scales = sc.data<void>();
-  args.biases = bi.data<void>();
-  args.st = scale_type(sc.dtype());
-  args.out = out.data<float>();
-  args.K = x.shape(-1);
-  args.M = static_cast<int64_t>(x.size()) / args.K;
-  args.N = w.shape(0);
-  args.group_size = group_size_;
-  args.bits = bits_;
+  const int64_t K = x.shape(-1);
+  const QmmArgs args = qmm_args(x.data<float>(), static_cast<int64_t>(x.size()) / K, K, w, sc,
+                                bi, group_size_, bits_, out.data<float>());
   enc.dispatch([args]() { qmm(args); });
 }
 

@@ -32,6 +32,10 @@ std::vector<mx::array> cpu_io(mlx::core::cpu::CommandEncoder& enc,
 void check_affine_qmm(const mx::array& x, const mx::array& w, const mx::array& scales,
                       const mx::array& biases, int group_size, int bits, const std::string& op);
 ScaleType scale_type(mx::Dtype t);
+// The kernels' arguments for out [M, N] = x [M, K] @ dequantize(w, scales, biases).T, from the
+// row-contiguous arrays (w's N its rows).
+QmmArgs qmm_args(const float* x, int64_t M, int64_t K, const mx::array& w, const mx::array& scales,
+                 const mx::array& biases, int group_size, int bits, float* out);
 
 // x [..., K] float32 @ dequantize(w, scales, biases).T -> [..., N] float32 (mlx affine mode).
 mx::array affine_qmm(const mx::array& x, const mx::array& w, const mx::array& scales,
@@ -166,8 +170,8 @@ class KvWrite : public mx::UnaryPrimitive {
 // Rows ids of a quantized table, dequantized (quantized_rows.cpp): w uint32 [vocab, K * bits /
 // 32] in mlx's affine layout (bits 4 or 8), scales and biases [vocab, K / group_size] (both
 // float32 or both bfloat16), ids int32 [n] -> [n, K], mx.dequantize(w[ids], scales[ids],
-// biases[ids]) bit for bit: in float32 with `float32` (bf16 scales widened exactly), else in
-// the scales' type.
+// biases[ids]) bit for bit for ids in [0, vocab) (others give zero rows): in float32 with
+// `float32` (bf16 scales widened exactly), else in the scales' type.
 mx::array quantized_rows(const mx::array& w, const mx::array& scales, const mx::array& biases,
                          const mx::array& ids, int group_size, int bits, bool float32,
                          mx::StreamOrDevice s = {});

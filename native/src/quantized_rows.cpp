@@ -42,7 +42,7 @@ void rows(const RowsArgs& a) {
   for (int64_t r = 0; r < a.n; ++r) {
     T* o = out + r * a.K;
     const int64_t id = a.ids[r];
-    if (id < 0 || id >= a.vocab) {  // validated upstream; zeros rather than a stray read
+    if (id < 0 || id >= a.vocab) {  // outside the table: zeros rather than a stray read
       std::memset(o, 0, a.K * sizeof(T));
       continue;
     }

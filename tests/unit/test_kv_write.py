@@ -116,6 +116,11 @@ def test_the_runners_decode_writes_its_pools_in_place(name, model_cache):
             mk.kv_write = original
         assert writes, "the decode steps did not write through the kernel"
         assert mk._ext._kv_write_copies() == copies
+        if compile_decode:  # the compiled forward ran its traces, not the eager one
+            assert runner.compiled is not None and runner.compiled.off is None
+            assert runner.compiled.calls > 20
+        else:
+            assert runner.compiled is None
         for reqs in arrivals.values():
             for rid, ids, n in reqs:
                 oracle.check(ids, tokens[rid], oracle.greedy(ids, n))

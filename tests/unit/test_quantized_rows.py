@@ -36,7 +36,7 @@ def test_rows_are_mlx_dequantize_bit_for_bit(bits, group, dtype):
     want = mx.dequantize(q[ids], scales[ids].astype(mx.float32), biases[ids].astype(mx.float32),
                          group_size=group, bits=bits)
     got = mk.quantized_rows(q, scales, biases, ids, group, bits, True)
-    assert got.dtype == mx.float32 and mx.array_equal(got, want).item()
+    assert got.dtype == want.dtype == mx.float32 and mx.array_equal(got, want).item()
 
 
 def test_ids_past_the_table_are_zero_rows():
@@ -64,8 +64,12 @@ def test_bad_arguments_raise():
         mk.quantized_rows(q.astype(mx.int32), scales, biases, ids, 64, 4)
 
 
+@pytest.mark.parametrize("activations", ["model", "float32"])
 @pytest.mark.parametrize("name", ["qwen3-tiny-4bit", "qwen3-tiny-8bit"])
-def test_the_installed_embedding_is_mlx_lms_in_one_node(name, model_cache, tmp_path):
+def test_the_installed_embedding_is_mlx_lms_in_one_node(name, activations, model_cache, tmp_path):
+    """The runner's install: with the model's activations, mlx-lm's lookup; with float32
+    ones and bf16 scales (as mlx-community ships them), the lookup of the scales widened to
+    float32 (weights.py's float32 lookups). Both one node."""
     from actors.model_runner import cpu
     from actors.model_runner.loading import load_model
     from models.builtin import ensure_builtin
@@ -73,10 +77,25 @@ def test_the_installed_embedding_is_mlx_lms_in_one_node(name, model_cache, tmp_p
 
     path = str(ensure_builtin(name, cache_dir=model_cache, progress=False))
     stock, model = load_model(path), load_model(path)
-    cpu.install(model, RuntimeConfig(), model.args.vocab_size)
+    if activations == "float32":
+        for m in (stock, model):
+            e = m.model.embed_tokens
+            e.scales, e.biases = e.scales.astype(mx.bfloat16), e.biases.astype(mx.bfloat16)
+    cpu.install(model, RuntimeConfig(activations=activations), model.args.vocab_size)
     ids = mx.array([[0, 5, 151, model.args.vocab_size - 1]], dtype=mx.int32)
-    got, want = model.model.embed_tokens(ids), stock.model.embed_tokens(ids)
+    got = model.model.embed_tokens(ids)
+    e = stock.model.embed_tokens
+    if activations == "float32":
+        flat = ids.flatten()
+        want = mx.dequantize(e.weight[flat], e.scales[flat].astype(mx.float32),
+                             e.biases[flat].astype(mx.float32), group_size=e.group_size,
+                             bits=e.bits).reshape(1, 4, -1)
+    else:
+        want = e(ids)
     mx.export_to_dot(str(tmp_path / "lookup.dot"), got)  # the graph, before it is evaluated
     ops = re.findall(r'label ="([^"]+)"', (tmp_path / "lookup.dot").read_text())
     assert ops.count("MasQuantizedRows") == 1 and "LeftShift" not in ops, ops
-    assert got.shape == want.shape and mx.array_equal(got, want).item()
+    assert got.shape == want.shape and got.dtype == want.dtype == mx.float32
+    assert mx.array_equal(got, want).item()
+    # No ids: an empty lookup of the right shape, as mlx-lm's.
+    assert model.model.embed_tokens(mx.zeros((1, 0), dtype=mx.int32)).shape == (1, 0, e.dims)

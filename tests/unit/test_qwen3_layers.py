@@ -164,4 +164,6 @@ def test_quantized_layers_fuse_their_products(name, model_cache, tmp_path):
     sched = Scheduler(max_running=2, chunked_prefill_size=16, kv_slots=1 << 12,
                       context_length=info.context_length, eos_ids=[], output_reserve=64)
     tokens, _, _ = drive(sched, runner, {0: [("a", ids, 24)]}, 2)
+    assert runner.compiled is not None and runner.compiled.off is None
+    assert runner.compiled.calls > 10  # the compiled decode, traced through the fused nodes
     oracle.check(ids, tokens["a"], oracle.greedy(ids, 24))

@@ -171,7 +171,7 @@ def _kernel_path(gate: mx.array, *others: mx.array) -> bool:
 
 def swiglu_takes_kernel() -> bool:
     """Whether swiglu() of float32 arrays takes the SiLU kernel (on this thread, now)."""
-    return _kernels is not None and _on.get() and mx.default_device() == mx.cpu
+    return _kernels is not None and _wanted()
 
 
 def swiglu(gate: mx.array, x: mx.array) -> mx.array:

@@ -51,9 +51,11 @@ class OneTokenAttention(qwen3.Attention):
 
 
 class FusedMLP(qwen3.MLP):
+    # mlx-lm's MLP calls its module global `swiglu`, which fastmath.install() points at
+    # fastmath.swiglu: the fused node is taken only where that would take the SiLU kernel.
     def __call__(self, x: mx.array) -> mx.array:
-        h = swiglu_product(x, self.gate_proj, self.up_proj) \
-            if fastmath.swiglu_takes_kernel() else None
+        takes = qwen3.swiglu is fastmath.swiglu and fastmath.swiglu_takes_kernel()
+        h = swiglu_product(x, self.gate_proj, self.up_proj) if takes else None
         return super().__call__(x) if h is None else self.down_proj(h)
 
 

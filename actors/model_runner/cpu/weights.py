@@ -126,8 +126,10 @@ def _dense_product(module: nn.Module, x: mx.array, strategy: str) -> mx.array:
 
 def _kernel_triple(module: nn.Module) -> tuple[mx.array, mx.array, mx.array] | None:
     """A quantized layer's (weight, scales, biases) where our kernel multiplies it, else None."""
+    # Exactly the layer's own product: a subclass with a __call__ of its own (an LM head's
+    # last-position cut) is left to it.
     if isinstance(module, StoredQuantizedLinear) and module.strategy == "kernel" \
-            and "bias" not in module:
+            and type(module).__call__ is StoredQuantizedLinear.__call__ and "bias" not in module:
         return module.weight, module.scales, module["biases"]
     return None
 
@@ -195,19 +197,20 @@ class StoredQuantizedEmbedding(_Stored, nn.QuantizedEmbedding):
 
     def _kernel_lookup(self, x: mx.array) -> mx.array | None:
         """The rows as one graph node (mas_kernels.quantized_rows), mx.dequantize's values bit
-        for bit, where the kernels take the layout; else None. MLX's own lookup is ~45 nodes
-        on the CPU (a shift pair per packed value, a concatenation, casts, gathers), the first
-        ~45 of a 4-bit decode step's ~300."""
-        float32 = self.model_dtype is not None and self.model_dtype == mx.float32
-        if (self.strategy != "kernel" or self.mode != "affine" or "biases" not in self
-                or self.scales.dtype not in (mx.float32, mx.bfloat16)
-                or not (float32 or self.model_dtype is None)):
+        for bit, where the kernels take the layout; else None. MLX's own lookup is ~60 nodes
+        on the CPU (a shift pair per packed value, a concatenation, casts, gathers), most of
+        a 4-bit decode step's ~340 before the few-node layers (qwen3_layers.py)."""
+        # The kernel strategy is affine 4/8-bit (_kernel_covers); model_dtype is None (the
+        # scales' type) or float32 (float32 lookups).
+        if (self.strategy != "kernel" or "biases" not in self
+                or self.scales.dtype not in (mx.float32, mx.bfloat16)):
             return None
+        float32 = self.model_dtype is not None and self.model_dtype == mx.float32
         ids = x.flatten()
         ids = ids if ids.dtype == mx.int32 else ids.astype(mx.int32)
         out = _kernels.quantized_rows(self.weight, self.scales, self["biases"], ids,
                                       self.group_size, self.bits, float32)
-        return out.reshape(*x.shape, -1)
+        return out.reshape(*x.shape, out.shape[-1])
 
 
 class StoredLinear(_Stored, nn.Linear):
