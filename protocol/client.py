@@ -239,7 +239,11 @@ class AsyncClient:
         queue: asyncio.Queue = asyncio.Queue()
         self.waiting[req.req_id] = queue
         self._ensure_reader()
-        await self.sock.send(_encoder.encode(req))
+        try:
+            await self._send(_encoder.encode(req))
+        except ServerError:
+            self.waiting.pop(req.req_id, None)
+            raise
         replies = self._replies(req.req_id, queue)
         if stream:
             return replies
@@ -249,7 +253,24 @@ class AsyncClient:
         raise ServerError("no final reply", req_id=req.req_id)
 
     async def abort(self, req_id: str) -> None:
-        await self.sock.send(_encoder.encode(m.AbortRequest(req_id=req_id)))
+        try:  # with no connection to send it on, there is nothing on the server to abort
+            await self.sock.send(_encoder.encode(m.AbortRequest(req_id=req_id)), zmq.NOBLOCK)
+        except zmq.Again:
+            pass
+
+    async def _send(self, frame: bytes) -> None:
+        """Send, or raise ServerError once the server has refused the connection's handshake:
+        a DEALER waits to send while it has no connection, and after a refused handshake it
+        may have none until its next attempt is refused too (an awaited send hung there)."""
+        while True:
+            try:
+                await self.sock.send(frame, zmq.NOBLOCK)
+                return
+            except zmq.Again:
+                if self.link.refused:
+                    raise ServerError(self.link.refused, 401) from None
+                self._ensure_reader()  # it reads the monitor's events
+                await asyncio.sleep(0.01)
 
     async def _replies(self, req_id: str, queue: asyncio.Queue) -> AsyncIterator[str | Result]:
         piece_of = _Pieces(req_id)
