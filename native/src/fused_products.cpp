@@ -28,11 +28,6 @@ void check_products(const mx::array& x, const std::vector<mx::array>& weights, i
   }
 }
 
-mx::Shape with_last(const mx::array& x, int n) {
-  mx::Shape s = x.shape();
-  s.back() = n;
-  return s;
-}
 
 }  // namespace
 
@@ -43,7 +38,7 @@ std::vector<mx::array> affine_qmm_many(const mx::array& x, const std::vector<mx:
   std::vector<mx::Shape> shapes;
   std::vector<mx::Dtype> dtypes;
   for (size_t i = 0; i < weights.size(); i += 3) {
-    shapes.push_back(with_last(x, weights[i].shape(0)));
+    shapes.push_back(out_shape(x, weights[i]));
     dtypes.push_back(mx::float32);
   }
   std::vector<mx::array> inputs{x};
@@ -81,7 +76,7 @@ bool AffineQmmMany::is_equivalent(const mx::Primitive& other) const {
 std::vector<mx::Shape> AffineQmmMany::output_shapes(const std::vector<mx::array>& inputs) {
   std::vector<mx::Shape> shapes;
   for (size_t i = 1; i < inputs.size(); i += 3) {
-    shapes.push_back(with_last(inputs[0], inputs[i].shape(0)));
+    shapes.push_back(out_shape(inputs[0], inputs[i]));
   }
   return shapes;
 }
@@ -97,7 +92,7 @@ mx::array affine_swiglu(const mx::array& x, const mx::array& gate_w, const mx::a
                                 std::to_string(up_w.shape(0)));
   }
   mx::Stream stream = cpu_stream(s, "affine_swiglu");
-  return mx::array(with_last(x, gate_w.shape(0)), mx::float32,
+  return mx::array(out_shape(x, gate_w), mx::float32,
                    std::make_shared<AffineSwiglu>(stream, group_size, bits),
                    {x, gate_w, gate_s, gate_b, up_w, up_s, up_b});
 }

@@ -30,10 +30,13 @@ void take_or_copy(const mx::array& pool, mx::array& out, mx::cpu::CommandEncoder
     return;
   }
   g_copies.fetch_add(1, std::memory_order_relaxed);
+  if (!pool.flags().row_contiguous) {  // row_contiguous makes a fresh copy: take that one
+    out.copy_shared_buffer(row_contiguous(pool, enc));
+    return;
+  }
   out.set_data(mx::allocator::malloc(out.nbytes()));
-  const mx::array src = row_contiguous(pool, enc);
-  enc.set_input_array(src);
-  enc.dispatch([s = src.data<char>(), d = out.data<char>(), n = out.nbytes()]() {
+  enc.set_input_array(pool);
+  enc.dispatch([s = pool.data<char>(), d = out.data<char>(), n = out.nbytes()]() {
     std::memcpy(d, s, n);
   });
 }

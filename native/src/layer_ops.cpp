@@ -38,17 +38,32 @@ void rms_rows(const T* xp, const T* wp, T* op, int64_t rows, int64_t D, float ep
   }
 }
 
+// `run` with the kernels' element type of `t`: uint16_t (raw bits) for bfloat16, else float.
+template <class F>
+void by_type(mx::Dtype t, F&& run) {
+  if (t == mx::bfloat16) {
+    run(uint16_t{});
+  } else {
+    run(float{});
+  }
+}
+
+// An RMS norm's x (or a head of it, `dim` wide) and weight, as rms_norm and norm_rope take them.
+void check_norm(const mx::array& x, const mx::array& weight, int dim, const std::string& op) {
+  if ((x.dtype() != mx::float32 && x.dtype() != mx::bfloat16) || weight.dtype() != x.dtype()) {
+    throw std::invalid_argument(op + "x and weight must be both float32 or both bfloat16");
+  }
+  if (weight.ndim() != 1 || weight.shape(0) != dim) {
+    throw std::invalid_argument(op + "weight must be [" + std::to_string(dim) + "], got x " +
+                                shape_str(x.shape()) + " and weight " + shape_str(weight.shape()));
+  }
+}
+
 }  // namespace
 
 mx::array rms_norm(const mx::array& x, const mx::array& weight, float eps, mx::StreamOrDevice s) {
-  if ((x.dtype() != mx::float32 && x.dtype() != mx::bfloat16) || weight.dtype() != x.dtype()) {
-    throw std::invalid_argument("rms_norm: x and weight must be both float32 or both bfloat16");
-  }
-  if (x.ndim() < 1 || weight.ndim() != 1 || weight.shape(0) != x.shape(-1)) {
-    throw std::invalid_argument("rms_norm: weight must be [" +
-                                std::to_string(x.ndim() ? x.shape(-1) : 0) + "], got x " +
-                                shape_str(x.shape()) + " and weight " + shape_str(weight.shape()));
-  }
+  if (x.ndim() < 1) throw std::invalid_argument("rms_norm: x must have at least 1 dimension");
+  check_norm(x, weight, x.shape(-1), "rms_norm: ");
   mx::Stream stream = cpu_stream(s, "rms_norm");
   return mx::array(x.shape(), x.dtype(), std::make_shared<RmsNorm>(stream, eps), {x, weight});
 }
@@ -63,11 +78,7 @@ void RmsNorm::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
     enc.dispatch([xp = x.data<T>(), wp = w.data<T>(), op = out.data<T>(), rows, D,
                   eps = eps_]() { rms_rows(xp, wp, op, rows, D, eps); });
   };
-  if (x.dtype() == mx::bfloat16) {
-    run(uint16_t{});
-  } else {
-    run(float{});
-  }
+  by_type(x.dtype(), run);
 }
 
 void RmsNorm::eval_gpu(const std::vector<mx::array>&, mx::array&) {
@@ -178,11 +189,7 @@ void Rope::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
       rope_rows(xp, off, op, B, H, T, D, per_row, dims, traditional, base, scale);
     });
   };
-  if (x.dtype() == mx::bfloat16) {
-    run(uint16_t{});
-  } else {
-    run(float{});
-  }
+  by_type(x.dtype(), run);
 }
 
 void Rope::eval_gpu(const std::vector<mx::array>&, mx::array&) {
@@ -198,18 +205,12 @@ bool Rope::is_equivalent(const mx::Primitive& other) const {
 mx::array norm_rope(const mx::array& x, const mx::array& weight, float eps, int heads, int dims,
                     bool traditional, float base, float scale, const mx::array& offsets,
                     mx::StreamOrDevice s) {
-  if ((x.dtype() != mx::float32 && x.dtype() != mx::bfloat16) || weight.dtype() != x.dtype()) {
-    throw std::invalid_argument("norm_rope: x and weight must be both float32 or both bfloat16");
-  }
   if (x.ndim() != 3 || x.shape(1) != 1 || heads <= 0 || x.shape(2) % heads != 0) {
     throw std::invalid_argument("norm_rope: x must be [rows, 1, heads x dim] with " +
                                 std::to_string(heads) + " heads, got " + shape_str(x.shape()));
   }
   const int D = x.shape(2) / heads;
-  if (weight.ndim() != 1 || weight.shape(0) != D) {
-    throw std::invalid_argument("norm_rope: weight must be [" + std::to_string(D) + "], got " +
-                                shape_str(weight.shape()));
-  }
+  check_norm(x, weight, D, "norm_rope: ");
   check_rope(dims, D, offsets, x.shape(0), "norm_rope: ", "rows");
   mx::Stream stream = cpu_stream(s, "norm_rope");
   return mx::array({x.shape(0), heads, 1, D}, x.dtype(),
@@ -234,11 +235,7 @@ void NormRope::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
       rope_rows(op, off, op, B, H, int64_t{1}, D, per_row, dims, traditional, base, scale);
     });
   };
-  if (x.dtype() == mx::bfloat16) {
-    run(uint16_t{});
-  } else {
-    run(float{});
-  }
+  by_type(x.dtype(), run);
 }
 
 void NormRope::eval_gpu(const std::vector<mx::array>&, mx::array&) {

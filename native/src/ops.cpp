@@ -12,13 +12,14 @@
 #include "mlx/backend/cpu/encoder.h"
 
 namespace mas {
-namespace {
 
 mx::Shape out_shape(const mx::array& x, const mx::array& w) {
   mx::Shape shape = x.shape();
   shape.back() = w.shape(0);
   return shape;
 }
+
+namespace {
 
 // Copy `n` items of `item` bytes laid out by shape/strides (in items) into dst, row-major.
 void strided_copy(const char* src, char* dst, const mx::Shape& shape, const mx::Strides& strides,

@@ -32,6 +32,8 @@ std::vector<mx::array> cpu_io(mlx::core::cpu::CommandEncoder& enc,
 void check_affine_qmm(const mx::array& x, const mx::array& w, const mx::array& scales,
                       const mx::array& biases, int group_size, int bits, const std::string& op);
 ScaleType scale_type(mx::Dtype t);
+// The shape of x [..., K] times w [N, ...].T: x's with its last dimension N.
+mx::Shape out_shape(const mx::array& x, const mx::array& w);
 // The kernels' arguments for out [M, N] = x [M, K] @ dequantize(w, scales, biases).T, from the
 // row-contiguous arrays (w's N its rows).
 QmmArgs qmm_args(const float* x, int64_t M, int64_t K, const mx::array& w, const mx::array& scales,
@@ -249,9 +251,7 @@ class AffineSwiglu : public mx::UnaryPrimitive {
   const char* name() const override { return "MasAffineSwiglu"; }
   bool is_equivalent(const mx::Primitive& other) const override;
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
-    mx::Shape s = inputs[0].shape();
-    s.back() = inputs[1].shape(0);
-    return {s};
+    return {out_shape(inputs[0], inputs[1])};
   }
 
  private:

@@ -46,6 +46,15 @@ def test_writes_what_mlx_scatter_writes(dtype):
         np.array(mk.kv_write(got, mx.array(index), strided).astype(mx.float32)), want)
 
 
+def test_a_strided_pool_is_copied_once_then_written():
+    """A pool that is a strided view (never the runner's) is laid out afresh and written."""
+    pool = mx.random.normal((PAGES, HEADS, PAGE, DIM), key=mx.random.key(9)).transpose(1, 0, 2, 3)
+    index = _slots([(2, 1), (3, 5)])
+    rows = mx.random.normal((2, HEADS, 1, DIM), key=mx.random.key(10))
+    want = _scattered(pool, index, rows)
+    np.testing.assert_array_equal(np.array(mk.kv_write(pool, mx.array(index), rows)), want)
+
+
 def test_in_place_unless_the_pool_is_held():
     index, rows = mx.array(_slots([(1, 2)])), mx.ones((1, HEADS, 1, DIM))
     pool = mx.zeros((HEADS, PAGES, PAGE, DIM))
