@@ -17,6 +17,7 @@ inline vf vload(const float* p) { return _mm512_loadu_ps(p); }
 inline void vstore(float* p, vf v) { _mm512_storeu_ps(p, v); }
 inline vf vadd(vf a, vf b) { return _mm512_add_ps(a, b); }
 inline vf vfma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
+inline vf vset1(float a) { return _mm512_set1_ps(a); }
 
 // res[i] = sum of the lanes of acc[i], i < n (n <= 16): a transposing tree, ~45 instructions
 // for 16 sums instead of 16 separate horizontal reductions.

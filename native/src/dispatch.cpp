@@ -115,12 +115,18 @@ void head(const HeadArgs& a) {
 }
 
 void qhead(const QHeadArgs& a) {
+  switch (head_path()) {
 #if MAS_X86
-  if (head_path() == Isa::avx512) return avx512::qhead(a);
+    case Isa::avx512:
+      return avx512::qhead(a);
+    case Isa::avx2:
+      return avx2::qhead(a);
 #endif
-  return scalar::qhead(a);
+    default:
+      return scalar::qhead(a);
+  }
 }
 
-bool qhead_fast() { return head_path() == Isa::avx512; }
+bool qhead_fast() { return head_path() != Isa::scalar; }
 
 }  // namespace mas

@@ -207,7 +207,8 @@ void qmm(const QmmArgs& a);
 void bf16mm(const Bf16Args& a);
 void f32mm(const F32Args& a);
 void attention(const AttnArgs& a);
-void head(const HeadArgs& a);
+void head(const HeadArgs& a);  // head_avx2.cpp, like qhead
+void qhead(const QHeadArgs& a);
 }  // namespace avx2
 namespace avx512 {
 void qhead(const QHeadArgs& a);
@@ -244,8 +245,8 @@ void argmax_rows(const ArgmaxArgs& a);
 void filter_floor_rows(const FloorArgs& a);
 void head(const HeadArgs& a);
 void qhead(const QHeadArgs& a);
-// Whether qhead has a vectorized path on this CPU (AVX-512 VNNI): elsewhere it is scalar
-// code, right but slower than the quantized head's own products.
+// Whether qhead has a vectorized path on this CPU (AVX2, or AVX-512 with VNNI): elsewhere it
+// is scalar code, right but slower than the quantized head's own products.
 bool qhead_fast();
 // The levels x is quantized to for head() on the path in use: 127, or 63 where the int8
 // products go through vpmaddubsw (AVX2), whose 16-bit pair sums would saturate at 127.

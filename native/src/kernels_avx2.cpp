@@ -24,6 +24,7 @@ inline vf vload(const float* p) { return _mm256_loadu_ps(p); }
 inline void vstore(float* p, vf v) { _mm256_storeu_ps(p, v); }
 inline vf vadd(vf a, vf b) { return _mm256_add_ps(a, b); }
 inline vf vfma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
+inline vf vset1(float a) { return _mm256_set1_ps(a); }
 
 inline void reduce(const vf* acc, int n, float* res) {
   for (int i = 0; i < n; ++i) {
@@ -88,6 +89,8 @@ constexpr Perms kPerms{};  // built by the compiler: no code of this file runs a
 template <ScaleType ST>
 struct Affine {
   static constexpr bool kTail = false;
+  // One row of x takes the sum form (driver.inc's sum_tile): the codes as float, times x.
+  static constexpr bool kSumForm = true;
   const uint8_t* w;
   const void *s, *b;
   int64_t row_bytes, ngroups, cpg;
@@ -120,17 +123,21 @@ struct Q4 : Affine<ST> {
     _mm_prefetch(reinterpret_cast<const char*>(r.w + rows_ahead * this->row_bytes + c * kBytes),
                  _MM_HINT_T0);
   }
-  void chunk(const Row& r, int64_t c, const Grp& g, vf& w0, vf& w1) const {
+  // The chunk's codes as float32.
+  void codes(const Row& r, int64_t c, vf& q0, vf& q1) const {
     const __m256i sh0 = _mm256_setr_epi32(0, 0, 4, 4, 8, 8, 12, 12);
     const __m256i sh1 = _mm256_add_epi32(sh0, _mm256_set1_epi32(16));
     const __m256i mask = _mm256_set1_epi32(15);
     long long bits;
     __builtin_memcpy(&bits, r.w + c * kBytes, 8);
     const __m256i v = _mm256_set1_epi64x(bits);
-    const __m256i q0 = _mm256_and_si256(_mm256_srlv_epi32(v, sh0), mask);
-    const __m256i q1 = _mm256_and_si256(_mm256_srlv_epi32(v, sh1), mask);
-    w0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q0), g.scale, g.bias);
-    w1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q1), g.scale, g.bias);
+    q0 = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srlv_epi32(v, sh0), mask));
+    q1 = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srlv_epi32(v, sh1), mask));
+  }
+  void chunk(const Row& r, int64_t c, const Grp& g, vf& w0, vf& w1) const {
+    codes(r, c, w0, w1);
+    w0 = _mm256_fmadd_ps(w0, g.scale, g.bias);
+    w1 = _mm256_fmadd_ps(w1, g.scale, g.bias);
   }
 };
 
@@ -145,13 +152,17 @@ struct Q8 : Affine<ST> {
     _mm_prefetch(reinterpret_cast<const char*>(r.w + rows_ahead * this->row_bytes + c * kBytes),
                  _MM_HINT_T0);
   }
-  void chunk(const Row& r, int64_t c, const Grp& g, vf& w0, vf& w1) const {
+  void codes(const Row& r, int64_t c, vf& q0, vf& q1) const {
     const uint8_t* p = r.w + c * kBytes;
-    const __m256i q0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-    const __m256i q1 =
-        _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8)));
-    w0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q0), g.scale, g.bias);
-    w1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q1), g.scale, g.bias);
+    q0 = _mm256_cvtepi32_ps(
+        _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+    q1 = _mm256_cvtepi32_ps(
+        _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8))));
+  }
+  void chunk(const Row& r, int64_t c, const Grp& g, vf& w0, vf& w1) const {
+    codes(r, c, w0, w1);
+    w0 = _mm256_fmadd_ps(w0, g.scale, g.bias);
+    w1 = _mm256_fmadd_ps(w1, g.scale, g.bias);
   }
 };
 
@@ -202,75 +213,4 @@ struct F32 : Dense<float> {
 #include "gated_delta.inc"
 #include "activation.inc"
 #include "sampling.inc"
-#include "head.inc"
-
-namespace {
-
-// res[i] = sum of the 8 lanes of acc[i], i < 8.
-inline void reduce8_epi32(const __m256i* acc, int32_t* res) {
-  const __m256i t0 = _mm256_hadd_epi32(acc[0], acc[1]), t1 = _mm256_hadd_epi32(acc[2], acc[3]);
-  const __m256i t2 = _mm256_hadd_epi32(acc[4], acc[5]), t3 = _mm256_hadd_epi32(acc[6], acc[7]);
-  const __m256i u0 = _mm256_hadd_epi32(t0, t1), u1 = _mm256_hadd_epi32(t2, t3);
-  // u0 = [sums of acc 0-3 over the low 128 bits | over the high 128 bits], u1 for acc 4-7.
-  const __m256i r = _mm256_add_epi32(_mm256_permute2x128_si256(u0, u1, 0x20),
-                                     _mm256_permute2x128_si256(u0, u1, 0x31));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(res), r);
-}
-
-// vpmaddubsw multiplies w's unsigned bytes by x's signed ones and adds pairs into int16 with
-// saturation: x is quantized to [-63, 63] on this path (head_x_levels), so 255 * 63 * 2 fits.
-// Register tiles of 4 rows of W x MR (<= 2) rows of x.
-template <int MR>
-void head_dots(const HeadArgs& a, const uint8_t* const* rows, int64_t m0, int32_t* dots) {
-  const __m256i ones = _mm256_set1_epi16(1);
-  const int8_t* xr[MR];
-  for (int i = 0; i < MR; ++i) xr[i] = a.x + (m0 + i) * a.Kp;
-  for (int sub = 0; sub < kHeadTile / 4; ++sub) {
-    const uint8_t* w[4] = {rows[4 * sub], rows[4 * sub + 1], rows[4 * sub + 2],
-                           rows[4 * sub + 3]};
-    __m256i acc[8];
-    for (int j = 0; j < 8; ++j) acc[j] = _mm256_setzero_si256();
-    for (int64_t k = 0; k < a.Kp; k += 32) {
-      __m256i x[MR];
-      for (int i = 0; i < MR; ++i) {
-        x[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr[i] + k));
-      }
-      for (int r = 0; r < 4; ++r) {
-        const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[r] + k));
-        for (int i = 0; i < MR; ++i) {
-          acc[4 * i + r] = _mm256_add_epi32(
-              acc[4 * i + r], _mm256_madd_epi16(_mm256_maddubs_epi16(wv, x[i]), ones));
-        }
-      }
-    }
-    alignas(32) int32_t res[8];
-    // A copy: acc's address never escapes, so it can stay in registers through the k loop.
-    __m256i fin[8];
-    for (int j = 0; j < 8; ++j) fin[j] = acc[j];
-    reduce8_epi32(fin, res);
-    for (int i = 0; i < MR; ++i) {
-      for (int r = 0; r < 4; ++r) dots[i * kHeadTile + 4 * sub + r] = res[4 * i + r];
-    }
-  }
-}
-
-void head_task(void* ctx, int64_t task) {
-  const HeadArgs& a = *static_cast<const HeadArgs*>(ctx);
-  head_run<2>(a, task, [&a](const uint8_t* const* rows, int64_t m0, int mr, int32_t* out,
-                            const uint8_t*) {
-    if (mr == 2) {
-      head_dots<2>(a, rows, m0, out);
-    } else {
-      head_dots<1>(a, rows, m0, out);
-    }
-  });
-}
-
-}  // namespace
-
-void head(const HeadArgs& a) {
-  parallel_for((a.N + a.rows_per_task - 1) / a.rows_per_task, head_task,
-               const_cast<HeadArgs*>(&a));
-}
-
 }  // namespace mas::avx2
