@@ -112,6 +112,12 @@ def test_bf16_logits_take_the_argmax_of_the_rounded_logits(isa):
     np.testing.assert_array_equal(got, rounded.argmax(axis=1))
 
 
+def test_every_simd_path_screens_a_quantized_head(isa):
+    """AVX2 has a vectorized screening as AVX-512 VNNI has (the runner then takes the greedy
+    head for 4-bit and 8-bit heads); only the scalar path leaves them to the model's product."""
+    assert mk.qhead_fast() == (isa != "scalar")
+
+
 def test_bad_arguments_raise():
     q = quantize(np.zeros((100, 256)), 64, 4)
     p = greedy_head.prepare_quantized(q)

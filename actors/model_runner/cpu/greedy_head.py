@@ -19,17 +19,19 @@ rounding and the exact products are rounded alike, so the lowest of the equal in
 in mx.argmax).
 
 4-bit and 8-bit heads (mlx's affine layout) qualify too where the kernel has its vectorized
-path (`qhead_fast`): there the screening reads the model's own codes, so nothing is copied
-and W carries no error of its own, only x's quantization; what is prepared is a float32 table
-of the scales and biases in 16-row blocks (the kernel applies a group's to 16 rows at once)
-and per-row norms. At 16 rows it is integer arithmetic where the quantized head's product is
-float32 FMAs on decoded weights. Up to 12 rows the kernel reads the codes as they lie (no
-transposed block), integer products in lanes along K. qwen3-small's head, the screening vs
-the float product and its argmax, ms (`python -m benchmarks.kernels.greedy_head --rows 1 2 4
-8 12 16`, AMD EPYC): 4-bit 1.9 / 3.0 at 1 row, 2.0 / 3.7 at 2, 3.1 / 5.3 at 4, 4.7 / 12.1 at
-8, 6.7 / 16.0 at 12, 7.6 / 16.6 at 16; 8-bit 2.7 / 4.7, 3.4 / 4.4, 4.1 / 6.3, 5.2 / 12.6, 7.3
-/ 15.3, 9.6 / 18.5. So the greedy head stands in at every batch size, as a float32 head's int8
-screening (a quarter of its bytes) does.
+path (`qhead_fast`: AVX-512 VNNI or AVX2): there the screening reads the model's own codes, so
+nothing is copied and W carries no error of its own, only x's quantization; what is prepared
+is a float32 table of the scales and biases in 16-row blocks (the kernel applies a group's to
+16 rows at once) and per-row norms. At 16 rows it is integer arithmetic where the quantized
+head's product is float32 FMAs on decoded weights. Up to 12 rows the kernel reads the codes as
+they lie (no transposed block), integer products in lanes along K. qwen3-small's head, the
+screening vs the float product and its argmax, ms (`python -m benchmarks.kernels.greedy_head
+--rows 1 2 4 8 12 16`, AMD EPYC, AVX-512): 4-bit 1.9 / 3.0 at 1 row, 2.0 / 3.7 at 2, 3.1 / 5.3
+at 4, 4.7 / 12.1 at 8, 6.7 / 16.0 at 12, 7.6 / 16.6 at 16; 8-bit 2.7 / 4.7, 3.4 / 4.4, 4.1 /
+6.3, 5.2 / 12.6, 7.3 / 15.3, 9.6 / 18.5. On AVX2 (AMD EPYC with AVX-512 hidden): 4-bit 1.5 /
+5.6 at 1 row, 3.7 / 7.4 at 4, 12.4 / 32.7 at 16; 8-bit 2.9 / 6.0, 3.9 / 7.7, 15.6 / 34.2. So
+the greedy head stands in at every batch size, as a float32 head's int8 screening (a quarter
+of its bytes) does.
 """
 
 from __future__ import annotations
