@@ -137,7 +137,9 @@ void qhead_dots(const QHeadArgs& q, const uint8_t* const* block, int64_t n0, con
       if constexpr (kSplit) {
         scale = _mm256_blend_ps(scale, _mm256_set1_ps(tab[(g + 1) * 32 + j]), 0xF0);
       }
-      for (int i = 0; i < MR; ++i) accf[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[i]), scale, accf[i]);
+      for (int i = 0; i < MR; ++i) {
+        accf[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[i]), scale, accf[i]);
+      }
     }
     for (int i = 0; i < MR; ++i) sums[i][j] = accf[i];
   }
@@ -204,7 +206,6 @@ void head(const HeadArgs& a) {
   parallel_for((a.N + a.rows_per_task - 1) / a.rows_per_task, head_task,
                const_cast<HeadArgs*>(&a));
 }
-
 
 void qhead(const QHeadArgs& a) { return a.bits == 4 ? qhead_bits<4>(a) : qhead_bits<8>(a); }
 
