@@ -73,7 +73,6 @@ void head_task(void* ctx, int64_t task) {
   });
 }
 
-
 // res[i] = sum of the 8 lanes of v[i], i < 8: reduce8_epi32's tree in float32.
 inline __m256 reduce8_ps(const __m256* v) {
   const __m256 t0 = _mm256_hadd_ps(v[0], v[1]), t1 = _mm256_hadd_ps(v[2], v[3]);
@@ -86,7 +85,7 @@ inline __m256 reduce8_ps(const __m256* v) {
 // against up to 4 rows of x. vpmaddubsw multiplies the codes (unsigned) by x's bytes (signed,
 // within +-63: head_x_levels) and adds pairs into int16 (8-bit: 2 * 255 * 63 fits; 4-bit: the
 // low and high nibbles' two products, 4 * 15 * 63, too); vpmaddwd by ones adds those pairs
-// into int32 lanes of 4 codes. A group's lanes are converted once and scaled by its scale in
+// into int32 lanes of one 32-bit word each (4 codes of 8 bits, 8 of 4). A group's lanes are converted once and scaled by its scale in
 // float lanes; 8 code rows' lanes meet in one transposing tree, then the biases meet x's group
 // sums. x is laid out once per call (qhead): 8-bit as it is, 4-bit per 64 bytes (the run of
 // 8 values of each of 8 words: 4 low-nibble values, 4 high) as the 32 low-nibble bytes, then

@@ -3,10 +3,11 @@
 // 4-bit: 8 bytes (16 values) are broadcast to every 64-bit lane; a variable shift and a mask
 //   bring nibble a of dword d to lane 2a + d, then vcvtdq2ps and one FMA (scale, bias).
 // 8-bit: vpmovzxbd + vcvtdq2ps + FMA per 8 values, k order unchanged.
-// One row of x (decode at one row) skips the (scale, bias) FMA: driver.inc's sum_tile takes
-//   the codes as float times x, and applies a group's scale and bias once. qwen3-small's 4-bit
-//   layer products at one row, in-process A/B (6 alternating rounds): 2.18 vs 2.44 ms; 8-bit
-//   2.44 vs 2.41 (its loads, not its arithmetic, bound it).
+// 4-bit at one row of x (decode at one row) skips the (scale, bias) FMA: driver.inc's
+//   sum_tile takes the codes as float times x, and applies a group's scale and bias once.
+//   qwen3-small's 4-bit layer products at one row, in-process A/B (6 alternating rounds): 2.18
+//   vs 2.44 ms. Not 8-bit: 2.44 vs 2.41 ms (its loads, not its arithmetic, bound it), and its
+//   bias (about -128 scales) cancels more of s * sum(x q) than a 4-bit one does.
 // The greedy heads (int8 screening, the quantized head's own codes) are in head_avx2.cpp.
 // bf16: vpunpck{l,h}wd with zero puts each bf16 in the high half of a float32 lane.
 #include <immintrin.h>
@@ -21,6 +22,7 @@ using vf = __m256;
 constexpr int W = 8;
 constexpr int CH = 16;
 constexpr int64_t kGB = 32;  // groups whose scales are widened at once
+static_assert(kGB % 8 == 0, "widen_scales stores whole vectors");
 constexpr int kDirectNR1 = 4, kDirectNR = 2;  // rows per direct tile: M = 1, M = 2..4
 constexpr int kMicroMR = 4, kMicroNR = 2;
 
@@ -61,14 +63,15 @@ template <ScaleType ST>
 inline void widen_scales(const void* p, int64_t i0, int64_t count, float* out) {
   int64_t i = 0;
   if constexpr (ST == ScaleType::f32) {
-    // Vector moves, the last one masked: a plain loop became `rep movsq`, whose start-up
+    // Vector moves, the last load masked: a plain loop became `rep movsq`, whose start-up
     // cost per call was ~30% of a one-row 4-bit product (perf, qwen3-small-4bit served).
+    // out always has room for kGB floats (a multiple of 8), so every store is whole.
     const float* f = static_cast<const float*>(p) + i0;
     for (; i + 8 <= count; i += 8) _mm256_storeu_ps(out + i, _mm256_loadu_ps(f + i));
     if (i < count) {
       const __m256i m = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(count - i)),
                                            _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-      _mm256_maskstore_ps(out + i, m, _mm256_maskload_ps(f + i, m));
+      _mm256_storeu_ps(out + i, _mm256_maskload_ps(f + i, m));
     }
   } else {
     const uint16_t* h = static_cast<const uint16_t*>(p) + i0;
@@ -102,8 +105,6 @@ constexpr Perms kPerms{};  // built by the compiler: no code of this file runs a
 template <ScaleType ST>
 struct Affine {
   static constexpr bool kTail = false;
-  // One row of x takes the sum form (driver.inc's sum_tile): the codes as float, times x.
-  static constexpr bool kSumForm = true;
   const uint8_t* w;
   const void *s, *b;
   int64_t row_bytes, ngroups, cpg;
@@ -128,6 +129,8 @@ struct Affine {
 template <ScaleType ST>
 struct Q4 : Affine<ST> {
   static constexpr int kBytes = 8;  // per chunk
+  // One row of x takes the sum form (driver.inc's sum_tile): the codes as float, times x.
+  static constexpr bool kSumForm = true;
   const int* perm = kPerms.q4;
   using Row = typename Affine<ST>::Row;
   using Grp = typename Affine<ST>::Grp;
@@ -157,6 +160,7 @@ struct Q4 : Affine<ST> {
 template <ScaleType ST>
 struct Q8 : Affine<ST> {
   static constexpr int kBytes = 16;  // per chunk
+  static constexpr bool kSumForm = false;
   const int* perm = kPerms.id;
   using Row = typename Affine<ST>::Row;
   using Grp = typename Affine<ST>::Grp;

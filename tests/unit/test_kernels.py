@@ -92,6 +92,20 @@ def test_affine_qmm_long_rows(isa, m):
                  mx.abs(x) @ dequantized(wq, s, b, gs, 4, magnitude=True).T, k)
 
 
+@pytest.mark.parametrize("bits", (4, 8))
+@pytest.mark.parametrize("m", (1, 3))
+def test_affine_qmm_float32_scales_past_a_scale_block(isa, bits, m):
+    """float32 scales of 37 groups a row: one whole block of 32 widened, then 5 (a partial
+    vector); one row of x takes 4-bit's sum form on AVX2."""
+    mx.random.seed(37 * bits + m)
+    k, gs = 37 * 32, 32
+    wq, s, b = make_quantized(45, k, gs, bits, mx.float32)
+    assert s.dtype == mx.float32
+    x = mx.random.normal((m, k))
+    assert_close(mk.affine_qmm(x, wq, s, b, gs, bits), x @ dequantized(wq, s, b, gs, bits).T,
+                 mx.abs(x) @ dequantized(wq, s, b, gs, bits, magnitude=True).T, k)
+
+
 DENSE = {"bf16": (mx.bfloat16, "bf16_matmul"), "f32": (mx.float32, "f32_matmul")}
 
 
