@@ -85,11 +85,12 @@ inline __m256 reduce8_ps(const __m256* v) {
 // against up to 4 rows of x. vpmaddubsw multiplies the codes (unsigned) by x's bytes (signed,
 // within +-63: head_x_levels) and adds pairs into int16 (8-bit: 2 * 255 * 63 fits; 4-bit: the
 // low and high nibbles' two products, 4 * 15 * 63, too); vpmaddwd by ones adds those pairs
-// into int32 lanes of one 32-bit word each (4 codes of 8 bits, 8 of 4). A group's lanes are converted once and scaled by its scale in
-// float lanes; 8 code rows' lanes meet in one transposing tree, then the biases meet x's group
-// sums. x is laid out once per call (qhead): 8-bit as it is, 4-bit per 64 bytes (the run of
-// 8 values of each of 8 words: 4 low-nibble values, 4 high) as the 32 low-nibble bytes, then
-// the 32 high ones, so both line up with a 32-byte chunk's nibbles after one mask and one shift.
+// into int32 lanes of one 32-bit word each (4 codes of 8 bits, 8 of 4). A group's lanes are
+// converted once and scaled by its scale in float lanes; 8 code rows' lanes meet in one
+// transposing tree, then the biases meet x's group sums. x is laid out once per call (qhead):
+// 8-bit as it is, 4-bit per 64 bytes (the run of 8 values of each of 8 words: 4 low-nibble
+// values, 4 high) as the 32 low-nibble bytes, then the 32 high ones, so both line up with a
+// 32-byte chunk's nibbles after one mask and one shift.
 template <int BITS, int GS, int MR>
 void qhead_dots(const QHeadArgs& q, const uint8_t* const* block, int64_t n0, const int8_t* xd,
                 int64_t m0, float* out) {

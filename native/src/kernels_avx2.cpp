@@ -160,7 +160,6 @@ struct Q4 : Affine<ST> {
 template <ScaleType ST>
 struct Q8 : Affine<ST> {
   static constexpr int kBytes = 16;  // per chunk
-  static constexpr bool kSumForm = false;
   const int* perm = kPerms.id;
   using Row = typename Affine<ST>::Row;
   using Grp = typename Affine<ST>::Grp;

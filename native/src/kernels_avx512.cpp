@@ -73,7 +73,6 @@ constexpr Perms kPerms{};  // built by the compiler: no code of this file runs a
 template <ScaleType ST>
 struct Affine {
   static constexpr bool kTail = false;
-  static constexpr bool kSumForm = false;
   const uint8_t* w;
   const void *s, *b;
   int64_t row_bytes, ngroups, cpg;
