@@ -63,8 +63,9 @@ template <ScaleType ST>
 inline void widen_scales(const void* p, int64_t i0, int64_t count, float* out) {
   int64_t i = 0;
   if constexpr (ST == ScaleType::f32) {
-    // Vector moves, the last load masked: a plain loop became `rep movsq`, whose start-up
-    // cost per call was ~30% of a one-row 4-bit product (perf, qwen3-small-4bit served).
+    // GCC recognises this copy (even as vector moves) and emits `rep movsq`, whose start-up
+    // cost was ~27% of a one-row 4-bit product: CMakeLists.txt builds this file with
+    // -fno-tree-loop-distribute-patterns (test_no_string_moves_in_the_product_tiles).
     // out always has room for kGB floats (a multiple of 8), so every store is whole.
     const float* f = static_cast<const float*>(p) + i0;
     for (; i + 8 <= count; i += 8) _mm256_storeu_ps(out + i, _mm256_loadu_ps(f + i));

@@ -252,3 +252,24 @@ def test_isa_reports_a_known_path():
     for name in missing:
         with pytest.raises(ValueError, match="no " + name):
             mk.set_isa(name)
+
+
+def test_no_string_moves_in_the_product_tiles():
+    """GCC turns a loop that copies a row's scales (widen_scales) into `rep movsq`, whose
+    start-up cost was ~27% of a one-row 4-bit product on AVX2; CMakeLists.txt's
+    -fno-tree-loop-distribute-patterns keeps it a loop. A build without the flag fails here."""
+    import shutil
+    import subprocess
+
+    if shutil.which("objdump") is None or not any(mk.has_isa(n) for n in ("avx2", "avx512")):
+        pytest.skip("no objdump, or no x86 SIMD path built")
+    listing = subprocess.run(["objdump", "-d", "-C", "--no-show-raw-insn", mk._ext.__file__],
+                             capture_output=True, text=True, check=True).stdout
+    function, moving = "", set()
+    for line in listing.splitlines():
+        if line.endswith(">:"):
+            function = line
+        elif "rep movs" in line and "::avx" in function and any(
+                t in function for t in ("sum_tile<", "direct_tile<", "decode_tile<")):
+            moving.add(function.split("<", 1)[1][:120])
+    assert not moving, sorted(moving)
