@@ -52,7 +52,13 @@ KERNEL_KINDS = {"affine-4bit-g64", "affine-8bit-g64", "bfloat16"}
 # rounded product bit for bit).
 BF16_SCALES = pytest.mark.xfail(strict=True, reason="4-bit with bf16 scales: the runner's products "
                                 "round differently from MLX's bf16 quantized_matmul")
-CASES = [pytest.param(n, marks=BF16_SCALES) if n == "qwen3-tiny-4bit-bf16" else n for n in KINDS]
+# `make test` serves one format of each path (the kernels' 4-bit, 8-bit, bf16, a hybrid, and
+# mxfp8 for jit); the other jit formats and the xfail are the extended matrix.
+EXTENDED = {"qwen3-tiny-4bit-bf16", "qwen3-tiny-3bit", "qwen3-tiny-mxfp4", "qwen3-tiny-nvfp4",
+            "qwen3-tiny-fp16"}
+CASES = [pytest.param(n, marks=(*([BF16_SCALES] if n == "qwen3-tiny-4bit-bf16" else []),
+                                *([pytest.mark.matrix] if n in EXTENDED else [])))
+         for n in KINDS]
 
 
 async def _batched(address: str) -> list:

@@ -123,7 +123,8 @@ def _health(url: str) -> int:
         return e.code
 
 
-@pytest.mark.parametrize("victim", ["scheduler", "runner", "detokenizer"])
+@pytest.mark.parametrize("victim", ["runner", *(pytest.param(v, marks=pytest.mark.matrix)
+                                              for v in ("scheduler", "detokenizer"))])
 def test_health_probes_the_whole_graph_and_a_wedged_actor_fails_it(tiny, victim):
     g = Graph(tiny, "server.health_timeout_s=2", "server.health_recent_s=1")
     try:

@@ -43,8 +43,11 @@ async def _run(address: str):
     return alone, together, first, second
 
 
-@pytest.mark.parametrize("builtin", ["qwen3-tiny", "qwen3_5-tiny"])
-@pytest.mark.parametrize("overlap", ["true", "false"])
+# `make test`: dense without overlap, hybrid with it; the other two are the extended matrix.
+@pytest.mark.parametrize("builtin,overlap", [
+    ("qwen3-tiny", "false"), ("qwen3_5-tiny", "true"),
+    pytest.param("qwen3-tiny", "true", marks=pytest.mark.matrix),
+    pytest.param("qwen3_5-tiny", "false", marks=pytest.mark.matrix)])
 def test_tp2_greedy_equals_mlx_lm(model_cache, builtin, overlap):
     path = str(ensure_builtin(builtin, cache_dir=model_cache, progress=False))
     g = Graph(f"model.path={path}", "runner.tp=2", f"scheduler.overlap={overlap}")
@@ -95,7 +98,7 @@ def _pids(g: Graph) -> dict[str, int]:
     return {r["name"]: r["child_pid"] for r in g.records if r.get("event") == "actor.spawned"}
 
 
-@pytest.mark.parametrize("victim", ["runner-1", "runner"])
+@pytest.mark.parametrize("victim", ["runner-1", pytest.param("runner", marks=pytest.mark.matrix)])
 def test_a_dead_rank_errors_every_open_request_and_stops_the_graph(model_cache, victim):
     ensure_builtin("qwen3-tiny", cache_dir=model_cache, progress=False)
     g = Graph("model.builtin=qwen3-tiny", "runner.tp=2")

@@ -142,8 +142,11 @@ def _inverse_cdf(logits: np.ndarray, u: np.ndarray) -> tuple[np.ndarray, np.ndar
     p = _softmax64(logits)
     cdf = np.cumsum(p)
     idx = np.minimum(np.searchsorted(cdf, u, side="right"), len(p) - 1)
-    edges = np.concatenate([[0.0], cdf])
-    return idx, np.min(np.abs(u[:, None] - edges[None, :]), axis=1)
+    # u lies between edges[k] and edges[k + 1], k = searchsorted(edges, u, "right") - 1 (edges
+    # ascend): the nearest boundary is one of those two (without a [len(u), width] table).
+    edges = np.concatenate([[0.0], cdf, [np.inf]])
+    k = np.searchsorted(edges, u, side="right") - 1
+    return idx, np.minimum(u - edges[k], edges[k + 1] - u)
 
 
 @pytest.mark.parametrize("width", [1, 5, 17, 70_001])
@@ -152,15 +155,16 @@ def test_categorical_is_the_inverse_cdf(isa, width):
     logits = rng.normal(0, 3, width).astype(np.float32)
     logits[rng.random(width) < 0.3] = -np.inf  # filtered out: never drawn
     logits[0] = 1.0
-    u = ((np.arange(4000) + 0.5) / 4000).astype(np.float32)  # stratified: counts ~ 4000 p
+    n = 4000 if width < 1000 else 600  # rows of width: the wide one is still 42M logits
+    u = ((np.arange(n) + 0.5) / n).astype(np.float32)  # stratified: counts ~ n p
     got = np.asarray(mk.categorical(mx.array(np.tile(logits, (len(u), 1))), mx.array(u)))
     assert got.dtype == np.uint32 and got.shape == u.shape
     assert np.isfinite(logits[got]).all()
     want, margin = _inverse_cdf(logits, u.astype(np.float64))
     clear = margin > 2e-6  # float32 sums may cross a boundary only where u sits on it
-    assert clear.sum() > 2000 and (got[clear] == want[clear]).all()
+    assert clear.sum() > n // 2 and (got[clear] == want[clear]).all()
     counts = np.bincount(got, minlength=width)
-    assert np.abs(counts - 4000 * _softmax64(logits)).max() <= 2
+    assert np.abs(counts - n * _softmax64(logits)).max() <= 2
 
 
 def test_categorical_ends_and_empty_rows(isa):

@@ -39,8 +39,17 @@ HALF = {"qwen3-tiny-bf16": mx.bfloat16, "qwen3_5-tiny-bf16": mx.bfloat16,
 FAST = {"qwen3-tiny-4bit", "qwen3-tiny-8bit", "qwen3-tiny-bf16"}  # the rest build or decode slowly
 
 
-def cases(names):
-    return [pytest.param(n, marks=() if n in FAST else pytest.mark.slow) for n in names]
+# Models that only the extended matrix serves (tests/e2e/test_formats.py's EXTENDED and the
+# other group sizes): their continuations' variety is checked there too.
+EXTENDED = {"qwen3-tiny-4bit-bf16", "qwen3-tiny-3bit", "qwen3-tiny-mxfp4", "qwen3-tiny-nvfp4",
+            "qwen3-tiny-fp16", "qwen3-tiny-mxfp8-fp16", "qwen3-tiny-4bit-g32",
+            "qwen3-tiny-6bit-g32"}
+
+
+def cases(names, extended=()):
+    return [pytest.param(n, marks=(*([] if n in FAST else [pytest.mark.slow]),
+                                   *([pytest.mark.matrix] if n in extended else [])))
+            for n in names]
 
 
 def stored_dtypes(directory) -> dict[str, mx.Dtype]:
@@ -228,7 +237,7 @@ def greedy(model, prompt_ids: list[int], steps: int) -> tuple[list[int], list[fl
     return tokens, gaps
 
 
-@pytest.mark.parametrize("name", cases([*QUANTIZED, *HALF]))
+@pytest.mark.parametrize("name", cases([*QUANTIZED, *HALF], EXTENDED))
 def test_greedy_continuations_stay_varied(loaded, name):
     """Quantizing random weights does not collapse them to one repeated token. (It does change
     the function: a 4-bit variant's greedy tokens differ from its float32 base's within the first

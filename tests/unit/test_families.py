@@ -46,7 +46,13 @@ VARIANTS = {**{name: (name, RuntimeConfig()) for name in sorted(FAMILIES)},
             "deepseek_v3-tiny-no-kernels": ("deepseek_v3-tiny", RuntimeConfig(weights="mlx"))}
 
 
-@pytest.fixture(scope="module", params=sorted(VARIANTS))
+# Plain full-attention families beside llama (the same paths through the runner) are the
+# extended matrix; `make test` keeps one of each cache layout and the MoE, MLA and sliding ones.
+EXTENDED = {"qwen2-tiny", "phi3-tiny", "ministral3-tiny"}
+
+
+@pytest.fixture(scope="module", params=[
+    pytest.param(n, marks=pytest.mark.matrix) if n in EXTENDED else n for n in sorted(VARIANTS)])
 def family(request, model_cache):
     """(built-in name, path, oracle, info, runtime)."""
     name, runtime = VARIANTS[request.param]

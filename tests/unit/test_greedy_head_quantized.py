@@ -159,7 +159,8 @@ def test_probe_takes_the_heads_the_kernel_covers():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["qwen3-small-4bit", "qwen3-small-8bit"])
+@pytest.mark.parametrize("name", ["qwen3-small-4bit",
+                                  pytest.param("qwen3-small-8bit", marks=pytest.mark.matrix)])
 def test_a_quantized_checkpoint_keeps_mlx_lms_tokens_through_it(name, model_cache, monkeypatch):
     """The runner core on a 4-bit and an 8-bit checkpoint (a head the kernel covers): greedy
     decode steps go through the quantized greedy head (its direct path, up to 12 rows), and the
