@@ -85,12 +85,13 @@ NB_MODULE(_ext, m) {
         "win), a grammar's: the argmax over the allowed tokens (0 where none is).");
   m.def("greedy_head_quantized", &mas::greedy_head_quantized, "x"_a, "codes"_a, "table"_a,
         "stats"_a, "group_size"_a, "bits"_a, "bf16_logits"_a = false, "allowed"_a = nb::none(),
-        nb::kw_only(), "stream"_a = nb::none(),
+        "screen"_a = nb::none(), nb::kw_only(), "stream"_a = nb::none(),
         "greedy_head for a quantized LM head (mlx's affine layout, 4 or 8 bits) from its own "
         "packed words codes [N, K * bits / 32] uint32, with table and stats "
         "(cpu/greedy_head.py prepares them): integer products over the codes, scaled per group, "
         "with a bound on x's quantization pick the rows that can still win; their exact products "
-        "decide. -> int32 [M].");
+        "decide. screen: the table as float16, which AVX2 screens with (stats' bound covering its "
+        "rounding). -> int32 [M].");
   m.def("qhead_fast", &mas::qhead_fast,
         "Whether greedy_head_quantized has a vectorized path on this CPU (AVX-512 VNNI).");
   m.def(

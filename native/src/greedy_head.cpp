@@ -94,6 +94,7 @@ struct QuantRows {
   const float* table;
   int64_t K, G, row_words;
   int bits, group_size;
+  const uint16_t* table16;  // the table as float16 (AVX2's screening), or null
   double dot(const float* x, int64_t n) const {
     const uint32_t* row = codes + n * row_words;
     const float* tab = table + (n / 16) * G * 32 + n % 16;
@@ -115,7 +116,7 @@ struct QuantRows {
   }
   int64_t groups() const { return G; }
   void screen(const HeadArgs& a, const float* xsum) const {
-    qhead(QHeadArgs{a, codes, table, xsum, row_words, G, bits, group_size});
+    qhead(QHeadArgs{a, codes, table, xsum, row_words, G, bits, group_size, table16});
   }
 };
 
@@ -330,6 +331,7 @@ mx::array greedy_head_quantized(const mx::array& x, const mx::array& codes,
                                 const mx::array& table, const mx::array& stats, int group_size,
                                 int bits, bool bf16_logits,
                                 const std::optional<mx::array>& allowed,
+                                const std::optional<mx::array>& screen,
                                 mx::StreamOrDevice s) {
   const auto fail = [&](const std::string& why) {
     throw std::invalid_argument("greedy_head_quantized: " + why + " (x " +
@@ -356,12 +358,17 @@ mx::array greedy_head_quantized(const mx::array& x, const mx::array& codes,
       table.shape(1) != G || table.shape(2) != 2 || table.shape(3) != 16) {
     fail("table must be float32 [ceil(N / 16), K / group_size, 2, 16]");
   }
+  if (screen && (screen->dtype() != mx::float16 || screen->shape() != table.shape())) {
+    fail("screen must be float16 of the table's shape, not " + shape_str(screen->shape()));
+  }
   check_shared(x, N, K, stats, allowed, fail);
   mx::Stream stream = cpu_stream(s, "greedy_head_quantized");
   std::vector<mx::array> inputs{x, codes, table, stats};
+  if (screen) inputs.push_back(*screen);
   if (allowed) inputs.push_back(*allowed);
   return mx::array({x.shape(0)}, mx::int32,
-                   std::make_shared<GreedyHeadQuantized>(stream, bf16_logits, group_size, bits),
+                   std::make_shared<GreedyHeadQuantized>(stream, bf16_logits, group_size, bits,
+                                                         screen.has_value()),
                    std::move(inputs));
 }
 
@@ -371,14 +378,18 @@ void GreedyHeadQuantized::eval_cpu(const std::vector<mx::array>& inputs, mx::arr
   const mx::array x = row_contiguous(inputs[0], enc), codes = row_contiguous(inputs[1], enc);
   const mx::array table = row_contiguous(inputs[2], enc), st = row_contiguous(inputs[3], enc);
   for (const auto& a : {x, codes, table, st}) enc.set_input_array(a);
-  const bool masked = inputs.size() > 4;
-  const mx::array mask = masked ? row_contiguous(inputs[4], enc) : inputs[0];
+  const mx::array screen = screen_ ? row_contiguous(inputs[4], enc) : inputs[0];
+  if (screen_) enc.set_input_array(screen);
+  const size_t at_mask = screen_ ? 5 : 4;
+  const bool masked = inputs.size() > at_mask;
+  const mx::array mask = masked ? row_contiguous(inputs[at_mask], enc) : inputs[0];
   if (masked) enc.set_input_array(mask);
   const int64_t words = masked ? mask.shape(1) : 0;
   enc.set_output_array(out);
   const int64_t M = x.shape(0), N = codes.shape(0), K = x.shape(1), Np = st.shape(1);
   const QuantRows rows{codes.data<uint32_t>(), table.data<float>(), K, K / group_size_,
-                       codes.shape(1), bits_, group_size_};
+                       codes.shape(1), bits_, group_size_,
+                       screen_ ? screen.data<uint16_t>() : nullptr};
   enc.dispatch([xp = x.data<float>(), rows, sp = st.data<float>(), op = out.data<int32_t>(), M,
                 N, K, Np, round = bf16_logits_, ap = masked ? mask.data<uint32_t>() : nullptr,
                 words]() {

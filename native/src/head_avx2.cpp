@@ -81,6 +81,25 @@ inline __m256 reduce8_ps(const __m256* v) {
   return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
 }
 
+// Entry i of the scale/bias table as float32, and 8 of them from i on: with HALF from its
+// float16 copy (QHeadArgs::screen), half the bytes, widened by F16C.
+template <bool HALF>
+inline float table_at(const QHeadArgs& q, int64_t i) {
+  if constexpr (HALF) {
+    return _cvtsh_ss(q.screen[i]);
+  } else {
+    return q.table[i];
+  }
+}
+template <bool HALF>
+inline __m256 table_8(const QHeadArgs& q, int64_t i) {
+  if constexpr (HALF) {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q.screen + i)));
+  } else {
+    return _mm256_loadu_ps(q.table + i);
+  }
+}
+
 // The quantized head: a block's 16 code rows read as they lie, 32 bytes at a time, each
 // against up to 4 rows of x. vpmaddubsw multiplies the codes (unsigned) by x's bytes (signed,
 // within +-63: head_x_levels) and adds pairs into int16 (8-bit: 2 * 255 * 63 fits; 4-bit: the
@@ -91,7 +110,7 @@ inline __m256 reduce8_ps(const __m256* v) {
 // 8-bit as it is, 4-bit per 64 bytes (the run of 8 values of each of 8 words: 4 low-nibble
 // values, 4 high) as the 32 low-nibble bytes, then the 32 high ones, so both line up with a
 // 32-byte chunk's nibbles after one mask and one shift.
-template <int BITS, int GS, int MR>
+template <int BITS, int GS, bool HALF, int MR>
 void qhead_dots(const QHeadArgs& q, const uint8_t* const* block, int64_t n0, const int8_t* xd,
                 int64_t m0, float* out) {
   const HeadArgs& a = q.h;
@@ -101,7 +120,7 @@ void qhead_dots(const QHeadArgs& q, const uint8_t* const* block, int64_t n0, con
   constexpr int kChunks = kSplit ? 1 : GS / kValues;  // per group (or per pair of groups)
   const int64_t chunks = q.row_words / 8;
   const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
-  const float* tab = q.table + (n0 / kHeadTile) * q.G * 32;
+  const int64_t tab = (n0 / kHeadTile) * q.G * 32;  // this block's slice of the table
   const int8_t* xr[MR];
   for (int i = 0; i < MR; ++i) xr[i] = xd + (m0 + i) * a.Kp;
   __m256 sums[MR][kHeadTile];
@@ -133,9 +152,10 @@ void qhead_dots(const QHeadArgs& q, const uint8_t* const* block, int64_t n0, con
           }
         }
       }
-      __m256 scale = _mm256_set1_ps(tab[g * 32 + j]);
+      __m256 scale = _mm256_set1_ps(table_at<HALF>(q, tab + g * 32 + j));
       if constexpr (kSplit) {
-        scale = _mm256_blend_ps(scale, _mm256_set1_ps(tab[(g + 1) * 32 + j]), 0xF0);
+        scale = _mm256_blend_ps(scale, _mm256_set1_ps(table_at<HALF>(q, tab + (g + 1) * 32 + j)),
+                                0xF0);
       }
       for (int i = 0; i < MR; ++i) {
         accf[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[i]), scale, accf[i]);
@@ -149,14 +169,15 @@ void qhead_dots(const QHeadArgs& q, const uint8_t* const* block, int64_t n0, con
     for (int h = 0; h < kHeadTile; h += 8) {
       __m256 s = reduce8_ps(sums[i] + h);
       for (int64_t gg = 0; gg < q.G; ++gg) {
-        s = _mm256_fmadd_ps(_mm256_loadu_ps(tab + gg * 32 + 16 + h), _mm256_set1_ps(xsum[gg]), s);
+        s = _mm256_fmadd_ps(table_8<HALF>(q, tab + gg * 32 + 16 + h), _mm256_set1_ps(xsum[gg]),
+                            s);
       }
       _mm256_storeu_ps(out + i * kHeadTile + h, _mm256_mul_ps(s, xs));
     }
   }
 }
 
-template <int BITS, int GS>
+template <int BITS, int GS, bool HALF>
 void qhead_task(void* ctx, int64_t task) {
   const QHeadArgs& q = *static_cast<const QHeadArgs*>(ctx);
   const int8_t* xd = q.h.x;  // laid out by qhead
@@ -170,19 +191,25 @@ void qhead_task(void* ctx, int64_t task) {
       },
       [&](int64_t m0, int mr, float* out) {
         switch (mr) {
-          case 4: return qhead_dots<BITS, GS, 4>(q, block, base, xd, m0, out);
-          case 3: return qhead_dots<BITS, GS, 3>(q, block, base, xd, m0, out);
-          case 2: return qhead_dots<BITS, GS, 2>(q, block, base, xd, m0, out);
-          default: return qhead_dots<BITS, GS, 1>(q, block, base, xd, m0, out);
+          case 4: return qhead_dots<BITS, GS, HALF, 4>(q, block, base, xd, m0, out);
+          case 3: return qhead_dots<BITS, GS, HALF, 3>(q, block, base, xd, m0, out);
+          case 2: return qhead_dots<BITS, GS, HALF, 2>(q, block, base, xd, m0, out);
+          default: return qhead_dots<BITS, GS, HALF, 1>(q, block, base, xd, m0, out);
         }
       });
 }
 
+template <int BITS, bool HALF>
+void (*qhead_task_for(int group_size))(void*, int64_t) {
+  return group_size == 32   ? qhead_task<BITS, 32, HALF>
+         : group_size == 64 ? qhead_task<BITS, 64, HALF>
+                            : qhead_task<BITS, 128, HALF>;
+}
+
 template <int BITS>
 void qhead_bits(const QHeadArgs& a) {
-  void (*task)(void*, int64_t) = a.group_size == 32   ? qhead_task<BITS, 32>
-                                 : a.group_size == 64 ? qhead_task<BITS, 64>
-                                                      : qhead_task<BITS, 128>;
+  void (*task)(void*, int64_t) = a.screen != nullptr ? qhead_task_for<BITS, true>(a.group_size)
+                                                     : qhead_task_for<BITS, false>(a.group_size);
   QHeadArgs q = a;
   std::vector<int8_t> xd;
   if constexpr (BITS == 4) {  // per 64 bytes: bytes 0-3 of each run of 8, then bytes 4-7

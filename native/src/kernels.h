@@ -178,6 +178,9 @@ struct QHeadArgs {
   const float* xsum;       // [M, G]: the sum of h.x[m] over each group
   int64_t row_words, G;
   int bits, group_size;    // 4 or 8; 32, 64 or 128
+  // The table as float16, or null: AVX2 screens with it (half the table's bytes; the bound's
+  // werr covers its rounding, greedy_head.py), the other paths read `table`.
+  const uint16_t* screen = nullptr;
 };
 
 namespace scalar {

@@ -302,27 +302,32 @@ class GreedyHead : public mx::UnaryPrimitive {
 // greedy_head for a quantized head (mlx's affine layout, 4 or 8 bits), from its own packed
 // words codes [N, K * bits / 32] uint32: table float32 [ceil(N / 16), K / group_size, 2, 16]
 // (16 rows' scales of each group, then their biases), stats float32 [3, Np] (unused, ||w[n]||,
-// the bound on the float32 rounding of the screening products; greedy_head.py prepares them).
+// the bound on the float32 rounding of the screening products; greedy_head.py prepares them);
+// screen, optionally, the table as float16 for AVX2's screening (stats' bound then covers its
+// rounding too).
 // K a multiple of 128 (4-bit) or 64 (8-bit) and of group_size (32, 64 or 128).
 mx::array greedy_head_quantized(const mx::array& x, const mx::array& codes,
                                 const mx::array& table, const mx::array& stats, int group_size,
                                 int bits, bool bf16_logits = false,
                                 const std::optional<mx::array>& allowed = std::nullopt,
+                                const std::optional<mx::array>& screen = std::nullopt,
                                 mx::StreamOrDevice s = {});
 
 class GreedyHeadQuantized : public mx::UnaryPrimitive {
  public:
-  GreedyHeadQuantized(mx::Stream stream, bool bf16_logits, int group_size, int bits)
+  GreedyHeadQuantized(mx::Stream stream, bool bf16_logits, int group_size, int bits, bool screen)
       : mx::UnaryPrimitive(stream),
         bf16_logits_(bf16_logits),
         group_size_(group_size),
-        bits_(bits) {}
+        bits_(bits),
+        screen_(screen) {}
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
   void eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) override;
   const char* name() const override { return "MasGreedyHeadQuantized"; }
   bool is_equivalent(const mx::Primitive& other) const override {
     const auto& o = static_cast<const GreedyHeadQuantized&>(other);
-    return bf16_logits_ == o.bf16_logits_ && group_size_ == o.group_size_ && bits_ == o.bits_;
+    return bf16_logits_ == o.bf16_logits_ && group_size_ == o.group_size_ &&
+           bits_ == o.bits_ && screen_ == o.screen_;
   }
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
     return {{inputs[0].shape(0)}};
@@ -331,6 +336,7 @@ class GreedyHeadQuantized : public mx::UnaryPrimitive {
  private:
   bool bf16_logits_;
   int group_size_, bits_;
+  bool screen_;  // inputs[4] is the float16 screening table
 };
 
 // The causal depthwise convolution of the gated-delta layers (gated_delta.cpp), float32:

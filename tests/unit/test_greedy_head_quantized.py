@@ -37,10 +37,14 @@ def dequantized(q: greedy_head.Quantized) -> np.ndarray:
     return values * scales + biases
 
 
-def tokens(x: mx.array, q: greedy_head.Quantized, bf16_logits=False, allowed=None) -> np.ndarray:
-    p = greedy_head.prepare_quantized(q)
+def tokens(x: mx.array, q: greedy_head.Quantized, bf16_logits=False, allowed=None,
+           screen=True) -> np.ndarray:
+    """The kernel's tokens; with `screen` the float16 table goes along (AVX2 screens with it,
+    the other paths read the float32 one under the bound that covers it)."""
+    p = greedy_head.prepare_quantized(q, screen=screen)
+    assert (p.screen is not None) == screen
     return np.array(mk.greedy_head_quantized(x, q.codes, p.table, p.stats, q.group_size, q.bits,
-                                             bf16_logits, allowed))
+                                             bf16_logits, allowed, p.screen))
 
 
 @pytest.mark.parametrize("bits", [4, 8])
@@ -49,13 +53,39 @@ def tokens(x: mx.array, q: greedy_head.Quantized, bf16_logits=False, allowed=Non
 @pytest.mark.parametrize("n, k, m", [(1000, 256, 3), (4099, 512, 17), (37, 128, 9),
                                      (1000, 256, 1), (4099, 512, 1), (37, 128, 1),
                                      (1000, 256, 12), (4099, 512, 13)])
-def test_equals_the_exact_argmax(isa, bits, group, n, k, m):
+@pytest.mark.parametrize("screen", [True, False])
+def test_equals_the_exact_argmax(isa, bits, group, n, k, m, screen):
     rng = np.random.default_rng(n + k + m + bits + group)
     w = rng.standard_normal((n, k)) * rng.uniform(0.01, 0.2, (n, 1))
     x = mx.array((rng.standard_normal((m, k)) * rng.uniform(0.5, 4, (m, 1))).astype(np.float32))
     q = quantize(w, group, bits)
     want = (np.array(x, np.float64) @ dequantized(q).T).argmax(axis=1)
-    np.testing.assert_array_equal(tokens(x, q), want)
+    np.testing.assert_array_equal(tokens(x, q, screen=screen), want)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_the_float16_tables_rounding_cannot_drop_the_winner(isa, bits):
+    """x exactly on the screening's integer levels (no quantization error, so the bound is the
+    float rounding and the weights' own error alone), and two rows whose float16 scales and
+    biases reverse their order: per value (all codes the largest, `top`) row 1 is 2e-4 * top
+    above row 0 exactly and as far below it in float16, 20 times the rest of the bound. Only a
+    bound that counts the table's rounding keeps row 1 for the exact products."""
+    n, k, group = 32, 128, 64
+    ones = (1 << 32) - 1  # every value of every word 15 (4-bit) or 255 (8-bit)
+    codes = np.full((n, k * bits // 32), ones, np.uint32)
+    top = float((1 << bits) - 1)
+    scales = np.full((n, k // group), 0.5, np.float32)
+    biases = np.zeros((n, k // group), np.float32)
+    scales[1] = 1.0 + 4e-4  # float16: 1.0 (its spacing there is 2^-10)
+    scales[0] = 1.0
+    biases[0] = 2e-4 * top  # per value: row 0 top * (1 + 2e-4), row 1 top * (1 + 4e-4)
+    q = greedy_head.Quantized(mx.array(codes), mx.array(scales), mx.array(biases), group, bits)
+    p = greedy_head.prepare_quantized(q, screen=True)
+    assert np.array(p.screen.astype(mx.float32))[0, 0, 0, 1] == 1.0  # row 1's scale rounded
+    x = mx.ones((1, k))
+    logits = np.array(x, np.float64) @ dequantized(q).T
+    assert logits[0].argmax() == 1 and logits[0, 1] - logits[0, 0] < 1e-3 * logits[0, 1]
+    assert tokens(x, q).tolist() == [1]
 
 
 @pytest.mark.parametrize("bits", [4, 8])
@@ -134,6 +164,11 @@ def test_bad_arguments_raise():
         call(mx.zeros((2, 256)), q.codes, p.table[:, :2], p.stats, 64, 4)
     with pytest.raises(ValueError, match="stats must be float32"):
         call(mx.zeros((2, 256)), q.codes, p.table, p.stats[:2], 64, 4)
+    with pytest.raises(ValueError, match="screen must be float16 of the table's shape"):
+        call(mx.zeros((2, 256)), q.codes, p.table, p.stats, 64, 4, screen=p.table)
+    with pytest.raises(ValueError, match="screen must be float16 of the table's shape"):
+        call(mx.zeros((2, 256)), q.codes, p.table, p.stats, 64, 4,
+             screen=p.table[:, :1].astype(mx.float16))
 
 
 def _model(bits: int, group: int = 64, hidden: int = 128) -> nn.Module:

@@ -22,7 +22,8 @@ in mx.argmax).
 path (`qhead_fast`: AVX-512 VNNI or AVX2): there the screening reads the model's own codes, so
 nothing is copied and W carries no error of its own, only x's quantization; what is prepared
 is a float32 table of the scales and biases in 16-row blocks (the kernel applies a group's to
-16 rows at once) and per-row norms. At 16 rows it is integer arithmetic where the quantized
+16 rows at once) and per-row norms; on AVX2 also the table in float16, which the screening
+reads instead (prepare_quantized). At 16 rows it is integer arithmetic where the quantized
 head's product is float32 FMAs on decoded weights. Up to 12 rows the kernel reads the codes as
 they lie (no transposed block), integer products in lanes along K. qwen3-small's head, the
 screening vs the float product and its argmax, ms (`python -m benchmarks.kernels.greedy_head
@@ -151,16 +152,28 @@ class Quantized:
 class PreparedQuantized:
     table: mx.array  # float32 [ceil(N / 16), G, 2, 16]: 16 rows' scales of group g, then biases
     stats: mx.array  # float32 [3, Np]: 0, ||w[n]||, the bound on the screening's float rounding
+    # The table as float16 for AVX2's screening (None: not prepared, or a value float16 cannot
+    # hold); stats' bound then covers its rounding.
+    screen: mx.array | None = None
 
 
-def prepare_quantized(q: Quantized) -> PreparedQuantized:
+def prepare_quantized(q: Quantized, screen: bool = False) -> PreparedQuantized:
     """The scale/bias table and per-row bounds of a quantized head (its codes are used as
-    they are): 10 MB beside qwen3-small's 4-bit head of 42 MB."""
+    they are): 10 MB beside qwen3-small's 4-bit head of 42 MB.
+
+    screen: also the table as float16, for the AVX2 screening, which is compute-bound per
+    byte there: qwen3-small's head, interleaved in one process (1 row, ms, median of 200):
+    4-bit 1.59 / 1.42 vs 1.67 / 1.44, 8-bit 2.11 / 2.19 vs 2.51 / 2.44. Its rounding is a
+    weight error dW[n] = (s~ - s) q + (b~ - b) per group, which the screening's products see as
+    xs xq . dW[n] <= ||xs xq|| ||dW[n]||: the same form as the bound's second term (its
+    multiplier is ||xs xq||), so ||dW[n]|| joins that term's per-row factor. The exact products
+    keep the float32 table."""
     n, k = q.codes.shape[0], q.k
     groups = k // q.group_size
     np_ = -(-n // _N_ALIGN) * _N_ALIGN
     table = np.zeros((np_, groups, 2), np.float32)
     stats = np.zeros((3, np_), np.float32)
+    half = np.zeros((np_, groups, 2), np.float16) if screen else None
     shifts = (np.arange(32 // q.bits, dtype=np.uint32) * q.bits)[None, None, :]
     for start in range(0, n, _CHUNK):
         end = min(n, start + _CHUNK)
@@ -179,10 +192,29 @@ def prepare_quantized(q: Quantized) -> PreparedQuantized:
         # x's sum, in float32 (2 roundings a group, 1 more for x's scale): relative to the sum
         # of the terms' sizes, which ||scale * q|| + ||bias|| times ||x|| bounds. 8 to spare.
         size = np.linalg.norm(scaled, axis=1) + np.linalg.norm(spread, axis=1)
-        stats[2, start:end] = _up((2 * groups + 8) * 2.0**-24 * size)
-    # [Np, G, 2] -> [Np / 16, G, 2, 16]: the kernel reads a group's 16 scales as one vector.
+        bound = (2 * groups + 8) * 2.0**-24 * size
+        if half is not None:
+            with np.errstate(over="ignore"):
+                s16, b16 = scales.astype(np.float16), biases.astype(np.float16)
+            if not (np.isfinite(s16).all() and np.isfinite(b16).all()):
+                half = None  # past float16's range: the float32 table screens
+            else:
+                half[start:end, :, 0], half[start:end, :, 1] = s16, b16
+                dw = (values.astype(np.float64)
+                      * np.repeat(s16.astype(np.float64) - scales, q.group_size, axis=1)
+                      + np.repeat(b16.astype(np.float64) - biases, q.group_size, axis=1))
+                bound = bound + np.linalg.norm(dw, axis=1) * (1 + 2.0**-20)
+        stats[2, start:end] = _up(bound)
+    return PreparedQuantized(_blocks(table), mx.array(stats),
+                             None if half is None else _blocks(half))
+
+
+def _blocks(table: np.ndarray) -> mx.array:
+    """[Np, G, 2] -> [Np / 16, G, 2, 16]: the kernel reads a group's 16 scales as one
+    vector."""
+    np_, groups = table.shape[:2]
     blocks = table.reshape(np_ // _N_ALIGN, _N_ALIGN, groups, 2).transpose(0, 2, 3, 1)
-    return PreparedQuantized(mx.array(np.ascontiguousarray(blocks)), mx.array(stats))
+    return mx.array(np.ascontiguousarray(blocks))
 
 
 def quantized_qualifies(module: nn.Module) -> bool:
@@ -209,14 +241,19 @@ class GreedyHead:
         self.weight = weight
         self.kernels = kernels
         self.bf16_logits = bf16_logits
-        self.prepared = (prepare_quantized(weight) if isinstance(weight, Quantized)
-                         else prepare(weight))
-        mx.eval(*(getattr(self.prepared, f) for f in self.prepared.__dataclass_fields__))
+        # Only AVX2 screens with the float16 table (elsewhere it would only widen the bound).
+        self.prepared = (prepare_quantized(weight, screen=kernels.isa() == "avx2")
+                         if isinstance(weight, Quantized) else prepare(weight))
+        mx.eval(*self._arrays())
+
+    def _arrays(self) -> list[mx.array]:
+        fields = self.prepared.__dataclass_fields__
+        return [a for a in (getattr(self.prepared, f) for f in fields) if a is not None]
 
     @property
     def nbytes(self) -> int:
         """What was prepared beside the model's own weights."""
-        return sum(getattr(self.prepared, f).nbytes for f in self.prepared.__dataclass_fields__)
+        return sum(a.nbytes for a in self._arrays())
 
     def tokens(self, x: mx.array, allowed: np.ndarray | None = None) -> mx.array:
         """x [..., K] (one row per token; a bf16 model's exactly widened) -> int32 [...].
@@ -227,7 +264,8 @@ class GreedyHead:
         w, p = self.weight, self.prepared
         if isinstance(w, Quantized):
             out = self.kernels.greedy_head_quantized(flat, w.codes, p.table, p.stats,
-                                                     w.group_size, w.bits, self.bf16_logits, mask)
+                                                     w.group_size, w.bits, self.bf16_logits, mask,
+                                                     p.screen)
         else:
             out = self.kernels.greedy_head(flat, w, p.wq, p.stats, self.bf16_logits, mask)
         return out.reshape(x.shape[:-1])
