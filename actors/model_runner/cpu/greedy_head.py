@@ -161,9 +161,10 @@ def prepare_quantized(q: Quantized, screen: bool = False) -> PreparedQuantized:
     """The scale/bias table and per-row bounds of a quantized head (its codes are used as
     they are): 10 MB beside qwen3-small's 4-bit head of 42 MB.
 
-    screen: also the table as float16, for the AVX2 screening, which is compute-bound per
-    byte there: qwen3-small's head, interleaved in one process (1 row, ms, median of 200):
-    4-bit 1.59 / 1.42 vs 1.67 / 1.44, 8-bit 2.11 / 2.19 vs 2.51 / 2.44. Its rounding is a
+    screen: also the table as float16, which the AVX2 screening reads instead (half of the
+    table's 10 MB a step): qwen3-small's head at 1 row, the two tables alternated in one process
+    (ms, medians of 200, two runs): 4-bit 1.59 / 1.42 vs 1.67 / 1.44, 8-bit 2.11 / 2.19 vs
+    2.51 / 2.44. AVX-512 keeps the float32 table (not measured there). Its rounding is a
     weight error dW[n] = (s~ - s) q + (b~ - b) per group, which the screening's products see as
     xs xq . dW[n] <= ||xs xq|| ||dW[n]||: the same form as the bound's second term (its
     multiplier is ||xs xq||), so ||dW[n]|| joins that term's per-row factor. The exact products
