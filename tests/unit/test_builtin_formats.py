@@ -40,7 +40,7 @@ FAST = {"qwen3-tiny-4bit", "qwen3-tiny-8bit", "qwen3-tiny-bf16"}  # the rest bui
 
 
 # Models that only the extended matrix serves (tests/e2e/test_formats.py's EXTENDED and the
-# other group sizes): their continuations' variety is checked there too.
+# other group sizes): their continuations' variety, stored format and dtype are checked there.
 EXTENDED = {"qwen3-tiny-4bit-bf16", "qwen3-tiny-3bit", "qwen3-tiny-mxfp4", "qwen3-tiny-nvfp4",
             "qwen3-tiny-fp16", "qwen3-tiny-mxfp8-fp16", "qwen3-tiny-4bit-g32",
             "qwen3-tiny-6bit-g32"}
@@ -176,7 +176,7 @@ def test_concurrent_variant_builds_agree(tmp_path):
     assert len(list(tmp_path.iterdir())) == 2  # the variant and its base, no scratch left
 
 
-@pytest.mark.parametrize("name", cases(QUANTIZED))
+@pytest.mark.parametrize("name", cases(QUANTIZED, EXTENDED))
 def test_quantized_variant_says_its_format_and_loads_quantized(loaded, name):
     mode, bits, group, dtype = QUANTIZED[name]
     directory, model, tokenizer = loaded(name)
@@ -212,7 +212,7 @@ def test_tokenizer_files_are_the_bases(loaded, model_cache, name):
     assert all((base / f).read_bytes() == (directory / f).read_bytes() for f in files)
 
 
-@pytest.mark.parametrize("name", cases(HALF))
+@pytest.mark.parametrize("name", cases(HALF, EXTENDED))
 def test_half_variant_stores_its_dtype(loaded, name):
     directory, model, _ = loaded(name)
     dtype = HALF[name]
