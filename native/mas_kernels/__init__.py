@@ -52,6 +52,7 @@ norm_rope = _ext.norm_rope
 greedy_head = _ext.greedy_head
 greedy_head_quantized = _ext.greedy_head_quantized
 qhead_fast = _ext.qhead_fast
+qhead_half_table = _ext.qhead_half_table
 gated_delta = _ext.gated_delta
 causal_conv = _ext.causal_conv
 kv_write = _ext.kv_write
@@ -71,6 +72,6 @@ set_compile_fusion = _ext.set_compile_fusion
 
 __all__ = ["affine_qmm", "argmax", "bf16_matmul", "categorical", "causal_conv",
            "decode_attention", "f32_matmul", "filter_floor", "gated_delta", "greedy_head",
-           "greedy_head_quantized", "has_isa", "head_x_levels", "isa", "qhead_fast", "rms_norm",
-           "rope", "set_compile_fusion", "set_isa", "set_threads", "silu", "softmax",
-           "threads"]
+           "greedy_head_quantized", "has_isa", "head_x_levels", "isa", "qhead_fast",
+           "qhead_half_table", "rms_norm", "rope", "set_compile_fusion", "set_isa",
+           "set_threads", "silu", "softmax", "threads"]

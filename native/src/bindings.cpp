@@ -146,6 +146,9 @@ NB_MODULE(_ext, m) {
         "Each row's top_k / top_p / min_p threshold: float32 logits [..., V], per row int32 "
         "top_k, float32 top_p and log(min_p) [...] -> float32 [...]; logits >= it is what "
         "filters.apply_filters keeps. top_k <= 0, top_p >= 1, log_min_p = -inf: off.");
+  m.def("qhead_half_table", &mas::qhead_half_table,
+        "Whether greedy_head_quantized screens with its float16 table (screen) on the path in "
+        "use: AVX2's, also on AVX-512 CPUs without VNNI; the others read the float32 table.");
   m.def("head_x_levels", &mas::head_x_levels,
         "The levels x is quantized to by greedy_head on the path in use (127, or 63 on AVX2).");
   m.def("isa", [] { return std::string(mas::isa_name(mas::current_isa())); },

@@ -129,4 +129,6 @@ void qhead(const QHeadArgs& a) {
 
 bool qhead_fast() { return head_path() != Isa::scalar; }
 
+bool qhead_half_table() { return head_path() == Isa::avx2; }
+
 }  // namespace mas

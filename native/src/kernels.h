@@ -251,6 +251,9 @@ void qhead(const QHeadArgs& a);
 // Whether qhead has a vectorized path on this CPU (AVX2, or AVX-512 with VNNI): elsewhere it
 // is scalar code, right but slower than the quantized head's own products.
 bool qhead_fast();
+// Whether qhead on the path in use screens with QHeadArgs::screen, the float16 table (AVX2's);
+// the others read the float32 one.
+bool qhead_half_table();
 // The levels x is quantized to for head() on the path in use: 127, or 63 where the int8
 // products go through vpmaddubsw (AVX2), whose 16-bit pair sums would saturate at 127.
 int head_x_levels();

@@ -17,6 +17,7 @@ import pytest
 from models import builtin, formats
 from models.formats import Format
 from protocol.config import BUILTIN_NAME
+from tests.e2e.test_formats import EXTENDED as SERVED_EXTENDED
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # every load below is local; never reach for the hub
 
@@ -39,11 +40,11 @@ HALF = {"qwen3-tiny-bf16": mx.bfloat16, "qwen3_5-tiny-bf16": mx.bfloat16,
 FAST = {"qwen3-tiny-4bit", "qwen3-tiny-8bit", "qwen3-tiny-bf16"}  # the rest build or decode slowly
 
 
-# Models that only the extended matrix serves (tests/e2e/test_formats.py's EXTENDED and the
-# other group sizes): their continuations' variety, stored format and dtype are checked there.
-EXTENDED = {"qwen3-tiny-4bit-bf16", "qwen3-tiny-3bit", "qwen3-tiny-mxfp4", "qwen3-tiny-nvfp4",
-            "qwen3-tiny-fp16", "qwen3-tiny-mxfp8-fp16", "qwen3-tiny-4bit-g32",
-            "qwen3-tiny-6bit-g32"}
+# Models whose checks here belong to the extended matrix (their continuations' variety, stored
+# format and dtype): those only it serves (tests/e2e/test_formats.py's EXTENDED), and the other
+# scale dtype and group sizes, which no served test takes.
+EXTENDED = SERVED_EXTENDED | {"qwen3-tiny-mxfp8-fp16", "qwen3-tiny-4bit-g32",
+                              "qwen3-tiny-6bit-g32"}
 
 
 def cases(names, extended=()):

@@ -157,6 +157,11 @@ def test_every_simd_path_screens_a_quantized_head(isa):
     """AVX2 has a vectorized screening as AVX-512 VNNI has (the runner then takes the greedy
     head for 4-bit and 8-bit heads); only the scalar path leaves them to the model's product."""
     assert mk.qhead_fast() == (isa != "scalar")
+    # The float16 table is prepared exactly where the head's path reads it.
+    head = greedy_head.GreedyHead(quantize(np.zeros((32, 128)), 64, 4), mk)
+    assert (head.prepared.screen is not None) == mk.qhead_half_table()
+    if isa != "avx512":  # AVX-512 without VNNI screens on AVX2's path
+        assert mk.qhead_half_table() == (isa == "avx2")
 
 
 def test_bad_arguments_raise():

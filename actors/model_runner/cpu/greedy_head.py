@@ -242,8 +242,9 @@ class GreedyHead:
         self.weight = weight
         self.kernels = kernels
         self.bf16_logits = bf16_logits
-        # Only AVX2 screens with the float16 table (elsewhere it would only widen the bound).
-        self.prepared = (prepare_quantized(weight, screen=kernels.isa() == "avx2")
+        # The float16 table only where the head's path reads it (elsewhere it would only
+        # widen the bound).
+        self.prepared = (prepare_quantized(weight, screen=kernels.qhead_half_table())
                          if isinstance(weight, Quantized) else prepare(weight))
         mx.eval(*self._arrays())
 
