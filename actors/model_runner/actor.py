@@ -202,7 +202,9 @@ async def serve(shell: Shell) -> None:
                    kv_slots=kv_capacity(shell.cfg, shell.model), why=shell.model.sizing or None,
                    # Whether decode forwards may run compiled (compiled_decode.py); a model
                    # whose caches are not all paged K/V still runs them eagerly.
-                   compiled_decode=mlx.runner.compiled is not None)
+                   compiled_decode=mlx.runner.compiled is not None,
+                   # cpu, or gpu on Metal and CUDA, where MLX's own kernels are the fast path.
+                   device=mx.default_device().type.name)
     if installed.weights.missing:
         shell.log.warning("runner.kernels_missing", reason=installed.weights.missing,
                           fallback="jit")
