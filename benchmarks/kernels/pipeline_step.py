@@ -7,7 +7,9 @@ The real scheduler core and the real runner core, with no sockets, in the order 
 actor's overlap loop uses: schedule step N+1, launch it, then finish step N (read its tokens
 back) and hand the result to the scheduler. Each part is timed per decode step of the full
 batch (the median over the steps after a warm-up), beside benchmarks/kernels/forward.py's bare
-pipelined loop at the same batch. Run with the decode forward compiled and eager.
+pipelined loop at the same batch. Run with the decode forward compiled and eager. `queue` is
+the part of `launch` spent inside mx.async_eval (MLX queueing, and on the CPU computing, the
+graph); the rest of `launch` is Python building it.
 
 How to read it: where the device computes asynchronously (a GPU), a launch that takes longer
 than the bare step means the host builds and queues the step more slowly than the device runs
@@ -25,13 +27,15 @@ from typing import Any
 
 from actors.model_runner.cpu import blas  # imports nothing heavy: mlx must come after blas.load()
 
-PARTS = ("schedule", "launch", "finish", "on_result", "step")
+PARTS = ("schedule", "launch", "queue", "finish", "on_result", "step")
 WARMUP = 5
 
 
 def served(path: str, batch: int, prompt_tokens: int, output_tokens: int,
            compiled: bool) -> dict[str, float]:
     """Median milliseconds per full-batch decode step of each part (PARTS)."""
+    import mlx.core as mx
+
     from actors.model_runner.loading import load_model
     from actors.model_runner.runner import ModelRunner
     from actors.scheduler.core import Scheduler
@@ -56,8 +60,29 @@ def served(path: str, batch: int, prompt_tokens: int, output_tokens: int,
         sched.add(f"r{i}", ids.tolist(),
                   m.SamplingParams(max_new_tokens=output_tokens, ignore_eos=True))
     times: dict[str, list[float]] = {p: [] for p in PARTS}
+    queued = [0.0]  # this step's seconds inside mx.async_eval
+    async_eval = mx.async_eval
+
+    def timed_async_eval(*args: Any) -> None:
+        begun = time.perf_counter()
+        try:
+            async_eval(*args)
+        finally:
+            queued[0] += time.perf_counter() - begun
+
+    mx.async_eval = timed_async_eval  # the runner calls it through the module: time it there
+    try:
+        _loop(sched, runner, batch, times, queued)
+    finally:
+        mx.async_eval = async_eval
+    return {p: statistics.median(v[WARMUP:] or v) * 1e3 for p, v in times.items() if v}
+
+
+def _loop(sched: Any, runner: Any, batch: int, times: dict[str, list[float]],
+          queued: list[float]) -> None:
     pending, last = None, time.perf_counter()
     while True:
+        queued[0] = 0.0
         t0 = time.perf_counter()
         step = sched.schedule() if len(sched.futures) < 2 else None
         t1 = time.perf_counter()
@@ -69,13 +94,13 @@ def served(path: str, batch: int, prompt_tokens: int, output_tokens: int,
             sched.on_result(result)
             t4 = time.perf_counter()
             if len(result.tokens) == batch and step is not None and all(step.future):
-                for part, dt in zip(PARTS, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t4 - last)):
+                for part, dt in zip(PARTS, (t1 - t0, t2 - t1, queued[0], t3 - t2, t4 - t3,
+                                            t4 - last)):
                     times[part].append(dt)
             last = t4
         pending = launched
         if pending is None and sched.idle:
             break
-    return {p: statistics.median(v[WARMUP:] or v) * 1e3 for p, v in times.items() if v}
 
 
 def bare_ms(path: str, batch: int, prompt_tokens: int, output_tokens: int) -> float:

@@ -18,7 +18,9 @@ def test_every_part_of_a_full_batch_decode_step_is_timed(model_cache, capsys):
     for r in rows:
         bare, parts, ratio = float(r[2]), [float(x) for x in r[3:-1]], float(r[-1])
         assert bare > 0 and all(x >= 0 for x in parts), r
-        schedule, launch, finish, on_result, step = parts
-        # each step's wall time holds each of its parts (so do their medians)
+        schedule, launch, queue, finish, on_result, step = parts
+        # each step's wall time holds each of its parts (so do their medians), and the launch
+        # holds its queueing
         assert step >= max(schedule, launch, finish, on_result) and launch > 0, r
+        assert launch >= queue > 0, r
         assert ratio == pytest.approx(step / bare, rel=0.02, abs=0.01), r
