@@ -30,29 +30,36 @@ PROMPTS = [
     "def fibonacci(n):\n    if n < 2:\n        return n\n",
     "A longer prompt about many things. " * 40,
 ]
-MODES = {  # mode -> launch overrides beside model.path
-    "batched": ("scheduler.max_running_requests=8",),
-    "overlap-off": ("scheduler.max_running_requests=8", "scheduler.overlap=false"),
+BASE = ("scheduler.max_running_requests=8",)  # every mode: all prompts in one batch
+MODES = {  # mode -> launch overrides beside model.path and BASE
+    "batched": (),
+    "overlap-off": ("scheduler.overlap=false",),
     # The long prompt (~280 tokens) prefills in five chunks, beside the others' decode.
-    "chunked": ("scheduler.max_running_requests=8", "scheduler.chunked_prefill_size=64"),
+    "chunked": ("scheduler.chunked_prefill_size=64",),
 }
 DEFAULT_MODELS = ["qwen3-tiny", "qwen3-tiny-4bit", "qwen3-tiny-8bit", "qwen3-tiny-bf16",
                   "qwen3_5-tiny", "qwen3_5-tiny-4bit"]
 
 
-async def _together(address: str, tokens: int) -> list:
-    async with AsyncClient(address) as client:
-        return await asyncio.gather(*[client.generate(p, max_new_tokens=tokens)
-                                      for p in PROMPTS])
+def batched_then_alone(address: str, tokens: int) -> tuple[list, list]:
+    """Every prompt's reply from the graph at `address`: all sent together, then one at a time
+    (which hits the prefix cache the batch filled)."""
+    async def together() -> list:
+        async with AsyncClient(address) as client:
+            return await asyncio.gather(*[client.generate(p, max_new_tokens=tokens)
+                                          for p in PROMPTS])
+
+    batched = asyncio.run(asyncio.wait_for(together(), 600))
+    with Client(address, timeout=300) as client:
+        alone = [client.generate(p, max_new_tokens=tokens) for p in PROMPTS]
+    return batched, alone
 
 
 def serve(path: str, overrides: tuple[str, ...], tokens: int) -> tuple[list, list, str]:
     """Token ids of every prompt, batched then alone, and the device the runner said it ran on."""
-    g = Graph(f"model.path={path}", *overrides)
+    g = Graph(f"model.path={path}", *BASE, *overrides)
     try:
-        batched = asyncio.run(asyncio.wait_for(_together(g.address, tokens), 600))
-        with Client(g.address, timeout=300) as client:
-            alone = [client.generate(p, max_new_tokens=tokens) for p in PROMPTS]
+        batched, alone = batched_then_alone(g.address, tokens)
         ready = g.wait_for("runner.ready")
     finally:
         code = g.stop()

@@ -5,27 +5,21 @@ picks for each weight kind (cpu/weights.py)."""
 
 from __future__ import annotations
 
-import asyncio
 import os
 
 import pytest
 
 from actors.model_runner.cpu.weights import load_kernels
 from harness.graph import Graph
+from harness.parity import PROMPTS, batched_then_alone
 from models.builtin import ensure_builtin
-from protocol.client import AsyncClient, Client
+from protocol.client import Client
 from tests.e2e.oracle import Oracle
 
 pytestmark = pytest.mark.slow
 
 MAX_NEW = 16
 KERNELS = load_kernels()[0] is not None
-PROMPTS = [
-    "Hello world",
-    "中文的自然语言处理很有趣，我们今天来讨论",
-    "def fibonacci(n):\n    if n < 2:\n        return n\n",
-    "A longer prompt about many things. " * 40,
-]
 KINDS = {  # variant -> the weight kinds the runner must report (runner.weights)
     "qwen3-tiny-4bit": {"affine-4bit-g64"},
     "qwen3-tiny-8bit": {"affine-8bit-g64"},
@@ -61,20 +55,12 @@ CASES = [pytest.param(n, marks=(*([BF16_SCALES] if n == "qwen3-tiny-4bit-bf16" e
          for n in KINDS]
 
 
-async def _batched(address: str) -> list:
-    async with AsyncClient(address) as client:
-        return await asyncio.gather(*[client.generate(p, max_new_tokens=MAX_NEW)
-                                      for p in PROMPTS])
-
-
 @pytest.mark.parametrize("name", CASES)
 def test_served_greedy_equals_mlx_lm_alone_and_batched(model_cache, name):
     path = ensure_builtin(name, cache_dir=model_cache, progress=False)
     g = Graph(f"model.path={path}", "scheduler.max_running_requests=8")
     try:
-        batched = asyncio.run(asyncio.wait_for(_batched(g.address), 120))
-        with Client(g.address, timeout=60) as client:
-            alone = [client.generate(p, max_new_tokens=MAX_NEW) for p in PROMPTS]
+        batched, alone = batched_then_alone(g.address, MAX_NEW)
         weights = g.wait_for("runner.weights")
         ready = g.wait_for("actor.ready", actor="runner")
     finally:
@@ -107,20 +93,17 @@ def test_float32_activations_serve_the_upcast_checkpoints_tokens(model_cache, na
     g = Graph(f"model.path={path}", "runtime.activations=float32",
               "scheduler.max_running_requests=8")
     try:
-        batched = asyncio.run(asyncio.wait_for(_batched(g.address), 120))
-        with Client(g.address, timeout=60) as client:
-            alone = [client.generate(p, max_new_tokens=MAX_NEW) for p in PROMPTS[:2]]
+        batched, alone = batched_then_alone(g.address, MAX_NEW)
         weights = g.wait_for("runner.weights")
     finally:
         assert g.stop() == 0
     assert weights[0]["activations"] == "float32" and set(weights[0]["strategies"]) == KINDS[name]
     oracle = Oracle(str(path), upcast=True)
-    for prompt, b, a in zip(PROMPTS, batched, alone + [None] * len(PROMPTS)):
+    for prompt, b, a in zip(PROMPTS, batched, alone):
         ids = oracle.tokenizer.encode(prompt)
         ref = oracle.greedy(ids, MAX_NEW)
         oracle.check(ids, b.token_ids, ref)
-        if a is not None:
-            oracle.check(ids, a.token_ids, ref)
+        oracle.check(ids, a.token_ids, ref)
     assert len({tuple(r.token_ids) for r in batched}) == len(PROMPTS)
 
 
