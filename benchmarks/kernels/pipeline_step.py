@@ -4,8 +4,10 @@
         [--prompt-tokens 256] [--output-tokens 128] [--blas auto]
 
 The real scheduler core and the real runner core, with no sockets, in the order the runner
-actor's overlap loop uses: schedule step N+1, launch it, then finish step N (read its tokens
-back) and hand the result to the scheduler. Each part is timed per decode step of the full
+actor's overlap loop uses: schedule step N+1 and launch it, finishing step N (reading its
+tokens back, handing the result to the scheduler) where the launch first waits on MLX values
+(pipeline.before_host_sync: on the CPU, before it queues the step), else right after the
+launch. `launch` excludes that finish. Each part is timed per decode step of the full
 batch (the median over the steps after a warm-up), beside benchmarks/kernels/forward.py's bare
 pipelined loop at the same batch. Run with the decode forward compiled and eager. `queue` is
 the part of `launch` spent inside mx.async_eval (MLX queueing, and on the CPU computing, the
@@ -80,24 +82,43 @@ def served(path: str, batch: int, prompt_tokens: int, output_tokens: int,
 
 def _loop(sched: Any, runner: Any, batch: int, times: dict[str, list[float]],
           queued: list[float]) -> None:
+    from actors.model_runner.pipeline import flush_before_host_sync
+
     pending, last = None, time.perf_counter()
     while True:
         queued[0] = 0.0
         t0 = time.perf_counter()
         step = sched.schedule() if len(sched.futures) < 2 else None
         t1 = time.perf_counter()
-        launched = runner.launch(step) if step is not None else None
-        t2 = time.perf_counter()
-        if pending is not None:
+        done: list[tuple[Any, float, float]] = []  # (result, finish s, on_result s)
+
+        def flush() -> None:
+            nonlocal pending
+            if pending is None:
+                return
+            begun = time.perf_counter()
             result = runner.finish(pending)
-            t3 = time.perf_counter()
+            read = time.perf_counter()
             sched.on_result(result)
-            t4 = time.perf_counter()
+            done.append((result, read - begun, time.perf_counter() - read))
+            pending = None
+
+        # As the actor's Pipeline: step N is read back before step N+1 is queued, so step N's
+        # arrays (the page pools it read) are free for step N+1's writes to take over.
+        with flush_before_host_sync(flush):
+            launched = runner.launch(step) if step is not None else None
+        t2 = time.perf_counter()
+        inside = bool(done)  # the launch read step N back itself
+        flush()
+        if done:
+            result, finish_s, on_result_s = done[0]
+            end = time.perf_counter()
             if len(result.tokens) == batch and step is not None and all(step.future):
-                for part, dt in zip(PARTS, (t1 - t0, t2 - t1, queued[0], t3 - t2, t4 - t3,
-                                            t4 - last)):
+                launch_s = t2 - t1 - (finish_s + on_result_s if inside else 0.0)
+                for part, dt in zip(PARTS, (t1 - t0, launch_s, queued[0], finish_s,
+                                            on_result_s, end - last)):
                     times[part].append(dt)
-            last = t4
+            last = end
         pending = launched
         if pending is None and sched.idle:
             break

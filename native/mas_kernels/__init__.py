@@ -4,6 +4,11 @@
     affine_qmm_many(x, weights, group_size, bits, *, stream=None) -> tuple[mx.array, ...]
     affine_swiglu(x, gate_w, gate_scales, gate_biases, up_w, up_scales, up_biases, group_size,
                   bits, *, stream=None) -> mx.array
+    decode_layer_in(x, norm, qkv, q_norm, k_norm, offsets, heads, kv_heads, eps, q_eps, k_eps,
+                    rope_dims, traditional, base, scale, group_size, bits, *, stream=None)
+        -> (q, k, v)
+    decode_layer_out(x, q, k_pool, v_pool, pages, lengths, attn_scale, weights, norm, eps,
+                     group_size, bits, *, stream=None) -> mx.array
     bf16_matmul(x, w, *, stream=None) -> mx.array
     f32_matmul(x, w, *, stream=None) -> mx.array
     decode_attention(q, k, v, pages, lengths, scale, *, stream=None) -> mx.array
@@ -43,6 +48,8 @@ if _ext.mlx_version != mx.__version__:
 affine_qmm = _ext.affine_qmm
 affine_qmm_many = _ext.affine_qmm_many
 affine_swiglu = _ext.affine_swiglu
+decode_layer_in = _ext.decode_layer_in
+decode_layer_out = _ext.decode_layer_out
 bf16_matmul = _ext.bf16_matmul
 f32_matmul = _ext.f32_matmul
 decode_attention = _ext.decode_attention
@@ -71,7 +78,7 @@ set_threads = _ext.set_threads
 set_compile_fusion = _ext.set_compile_fusion
 
 __all__ = ["affine_qmm", "argmax", "bf16_matmul", "categorical", "causal_conv",
-           "decode_attention", "f32_matmul", "filter_floor", "gated_delta", "greedy_head",
+           "decode_attention", "decode_layer_in", "decode_layer_out", "f32_matmul", "filter_floor", "gated_delta", "greedy_head",
            "greedy_head_quantized", "has_isa", "head_x_levels", "isa", "qhead_fast",
            "qhead_half_table", "rms_norm", "rope", "set_compile_fusion", "set_isa",
            "set_threads", "silu", "softmax", "threads"]

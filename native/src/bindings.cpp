@@ -47,6 +47,32 @@ NB_MODULE(_ext, m) {
         nb::kw_only(), "stream"_a = nb::none(),
         "silu(x @ gate.T) * (x @ up.T) for affine-quantized gate and up weights as one graph "
         "node: silu(affine_qmm(x, gate...), affine_qmm(x, up...)) bit for bit.");
+  m.def(
+      "decode_layer_in",
+      [](const mx::array& x, const mx::array& norm, const std::vector<mx::array>& qkv,
+         const mx::array& q_norm, const mx::array& k_norm, const mx::array& offsets, int heads,
+         int kv_heads, float eps, float q_eps, float k_eps, int rope_dims, bool traditional,
+         float base, float scale, int group_size, int bits, mx::StreamOrDevice s) {
+        const mas::LayerIn p{heads, kv_heads, rope_dims, group_size, bits, traditional,
+                             eps, q_eps, k_eps, base, scale};
+        auto out = mas::decode_layer_in(x, norm, qkv, q_norm, k_norm, offsets, p, s);
+        return nb::make_tuple(out[0], out[1], out[2]);
+      },
+      "x"_a, "norm"_a, "qkv"_a, "q_norm"_a, "k_norm"_a, "offsets"_a, "heads"_a, "kv_heads"_a,
+      "eps"_a, "q_eps"_a, "k_eps"_a, "rope_dims"_a, "traditional"_a, "base"_a, "scale"_a,
+      "group_size"_a, "bits"_a, nb::kw_only(), "stream"_a = nb::none(),
+      "A decode layer's attention input as one graph node: x [rows, 1, hidden] float32, "
+      "n = rms_norm(x, norm, eps), qkv the (w, scales, biases) of q, k and v (affine, one group "
+      "size and bit width); q and k as norm_rope(n @ W.T, q_norm / k_norm, ...) at offsets. -> "
+      "(q [rows, heads, 1, dim], k and v [rows, kv_heads, 1, dim]), those nodes' values bit for "
+      "bit.");
+  m.def("decode_layer_out", &mas::decode_layer_out, "x"_a, "q"_a, "k_pool"_a, "v_pool"_a,
+        "pages"_a, "lengths"_a, "attn_scale"_a, "weights"_a, "norm"_a, "eps"_a, "group_size"_a,
+        "bits"_a, nb::kw_only(), "stream"_a = nb::none(),
+        "The rest of a decode layer as one graph node: a = decode_attention(q, k_pool, v_pool, "
+        "pages, lengths, attn_scale), h = x + o_proj(a), m = rms_norm(h, norm, eps), -> h + "
+        "down(silu(gate(m)) * up(m)); weights the (w, scales, biases) of o_proj, gate, up and "
+        "down. Those nodes' values bit for bit.");
   m.def("bf16_matmul", &mas::bf16_matmul, "x"_a, "w"_a, nb::kw_only(), "stream"_a = nb::none(),
         "x [..., K] float32 @ w.T with w bfloat16 [N, K] -> [..., N] float32.");
   m.def("f32_matmul", &mas::f32_matmul, "x"_a, "w"_a, nb::kw_only(), "stream"_a = nb::none(),

@@ -48,6 +48,8 @@ void by_type(mx::Dtype t, F&& run) {
   }
 }
 
+}  // namespace
+
 // An RMS norm's x (or a head of it, `dim` wide) and weight, as rms_norm and norm_rope take them.
 void check_norm(const mx::array& x, const mx::array& weight, int dim, const std::string& op) {
   if ((x.dtype() != mx::float32 && x.dtype() != mx::bfloat16) || weight.dtype() != x.dtype()) {
@@ -58,8 +60,6 @@ void check_norm(const mx::array& x, const mx::array& weight, int dim, const std:
                                 shape_str(x.shape()) + " and weight " + shape_str(weight.shape()));
   }
 }
-
-}  // namespace
 
 mx::array rms_norm(const mx::array& x, const mx::array& weight, float eps, mx::StreamOrDevice s) {
   if (x.ndim() < 1) throw std::invalid_argument("rms_norm: x must have at least 1 dimension");
@@ -89,8 +89,6 @@ bool RmsNorm::is_equivalent(const mx::Primitive& other) const {
   return eps_ == static_cast<const RmsNorm&>(other).eps_;
 }
 
-namespace {
-
 // RoPE's dims (of a head of `dim`) and offsets (int32 [1] or one per row, `rows` named
 // `rows_name` in the message) as rope and norm_rope take them.
 void check_rope(int dims, int dim, const mx::array& offsets, int rows, const std::string& op,
@@ -105,8 +103,6 @@ void check_rope(int dims, int dim, const mx::array& offsets, int rows, const std
                                 std::to_string(rows) + "], got " + shape_str(offsets.shape()));
   }
 }
-
-}  // namespace
 
 mx::array rope(const mx::array& x, int dims, bool traditional, float base, float scale,
                const mx::array& offsets, mx::StreamOrDevice s) {
@@ -174,6 +170,18 @@ void rope_rows(const T* xp, const int32_t* off, T* op, int64_t B, int64_t H, int
 }
 
 }  // namespace
+
+void rms_rows_f32(const float* x, const float* weight, float* out, int64_t rows, int64_t dim,
+                  float eps) {
+  rms_rows(x, weight, out, rows, dim, eps);
+}
+
+void rope_rows_f32(const float* x, const int32_t* offsets, float* out, int64_t rows,
+                   int64_t heads, int64_t dim, int64_t per_row, int dims, bool traditional,
+                   float base, float scale) {
+  rope_rows(x, offsets, out, rows, heads, int64_t{1}, dim, per_row, dims, traditional, base,
+            scale);
+}
 
 void Rope::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
   auto& enc = mx::cpu::get_command_encoder(stream());

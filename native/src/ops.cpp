@@ -109,15 +109,23 @@ ScaleType scale_type(mx::Dtype t) {
 void check_affine_qmm(const mx::array& x, const mx::array& w, const mx::array& scales,
                       const mx::array& biases, int group_size, int bits,
                       const std::string& op) {
+  if (x.dtype() != mx::float32) {
+    throw std::invalid_argument(op + "x must be float32");
+  }
+  if (x.ndim() < 1) throw std::invalid_argument(op + "x must have at least 1 dimension");
+  check_affine_weights(x.shape(-1), w, scales, biases, group_size, bits, op,
+                       "x " + shape_str(x.shape()));
+}
+
+void check_affine_weights(int64_t K, const mx::array& w, const mx::array& scales,
+                          const mx::array& biases, int group_size, int bits,
+                          const std::string& op, const std::string& input) {
   if (bits != 4 && bits != 8) {
     throw std::invalid_argument(op + "bits must be 4 or 8, got " + std::to_string(bits));
   }
   if (group_size != 32 && group_size != 64 && group_size != 128) {
     throw std::invalid_argument(op + "group_size must be 32, 64 or 128, got " +
                                 std::to_string(group_size));
-  }
-  if (x.dtype() != mx::float32) {
-    throw std::invalid_argument(op + "x must be float32");
   }
   if (w.dtype() != mx::uint32 || w.ndim() != 2) {
     throw std::invalid_argument(op + "w must be a 2-D uint32 array [N, K*bits/32], got " +
@@ -130,11 +138,11 @@ void check_affine_qmm(const mx::array& x, const mx::array& w, const mx::array& s
   if (biases.dtype() != st) {
     throw std::invalid_argument(op + "biases must have the dtype of scales");
   }
-  if (x.ndim() < 1) throw std::invalid_argument(op + "x must have at least 1 dimension");
-  const int64_t K = x.shape(-1), N = w.shape(0);
   if (K == 0) throw std::invalid_argument(op + "K (the last dimension of x) is 0");
+  const int64_t N = w.shape(0);
   if (static_cast<int64_t>(w.shape(1)) * 32 / bits != K || K % group_size != 0) {
-    throw std::invalid_argument(op + "x " + shape_str(x.shape()) + " does not match w " +
+    throw std::invalid_argument(op + (input.empty() ? "K = " + std::to_string(K) : input) +
+                                " does not match w " +
                                 shape_str(w.shape()) + " at " + std::to_string(bits) +
                                 " bits, group size " + std::to_string(group_size));
   }
@@ -266,10 +274,9 @@ std::vector<mx::Shape> DenseMatmul::output_shapes(const std::vector<mx::array>& 
   return {out_shape(inputs[0], inputs[1])};
 }
 
-mx::array decode_attention(const mx::array& q, const mx::array& k, const mx::array& v,
-                           const mx::array& pages, const mx::array& lengths, float scale,
-                           mx::StreamOrDevice s) {
-  const std::string op = "decode_attention: ";
+void check_decode_attention(const mx::array& q, const mx::array& k, const mx::array& v,
+                            const mx::array& pages, const mx::array& lengths,
+                            const std::string& op) {
   if ((q.dtype() != mx::float32 && q.dtype() != mx::bfloat16) || k.dtype() != q.dtype() ||
       v.dtype() != q.dtype()) {
     throw std::invalid_argument(op + "q, k and v must be all float32 or all bfloat16");
@@ -300,9 +307,38 @@ mx::array decode_attention(const mx::array& q, const mx::array& k, const mx::arr
     throw std::invalid_argument(op + "lengths must be int32 [rows] = [" + std::to_string(rows) +
                                 "], got " + shape_str(lengths.shape()));
   }
+}
+
+mx::array decode_attention(const mx::array& q, const mx::array& k, const mx::array& v,
+                           const mx::array& pages, const mx::array& lengths, float scale,
+                           mx::StreamOrDevice s) {
+  check_decode_attention(q, k, v, pages, lengths, "decode_attention: ");
   mx::Stream stream = cpu_stream(s, "decode_attention");
   return mx::array(q.shape(), q.dtype(), std::make_shared<DecodeAttention>(stream, scale),
                    {q, k, v, pages, lengths});
+}
+
+AttnArgs attn_args(const mx::array& q, const mx::array& k, const mx::array& v,
+                   const mx::array& pages, const mx::array& lengths, void* out, float scale) {
+  return AttnArgs{q.data<void>(), k.data<void>(), v.data<void>(), pages.data<int32_t>(),
+                  lengths.data<int32_t>(), out, q.shape(0), q.shape(1), k.shape(0), k.shape(2),
+                  pages.shape(1), k.shape(1), q.shape(3), scale, q.dtype() == mx::bfloat16};
+}
+
+void check_attention_reads(const AttnArgs& args, const char* op) {
+  // A length past the row's pages, or a page id past the pool, would read past the buffers.
+  for (int64_t b = 0; b < args.rows; ++b) {
+    const int64_t length = args.lengths[b];
+    if (length > args.max_pages * args.page) {
+      throw std::out_of_range(std::string(op) + "a row's length is past its pages");
+    }
+    for (int64_t p = 0; p * args.page < length; ++p) {
+      const int32_t id = args.pages[b * args.max_pages + p];
+      if (id < 0 || id >= args.pool_pages) {
+        throw std::out_of_range(std::string(op) + "a page id is outside the K/V pool");
+      }
+    }
+  }
 }
 
 void DecodeAttention::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
@@ -316,24 +352,9 @@ void DecodeAttention::eval_cpu(const std::vector<mx::array>& inputs, mx::array& 
   mx::array lengths = row_contiguous(inputs[4], enc);
   for (const auto& a : {q, k, v, pages, lengths}) enc.set_input_array(a);
   enc.set_output_array(out);
-  AttnArgs args{q.data<void>(), k.data<void>(), v.data<void>(), pages.data<int32_t>(),
-                lengths.data<int32_t>(), out.data<void>(), q.shape(0), q.shape(1), k.shape(0),
-                k.shape(2), pages.shape(1), k.shape(1), q.shape(3), scale_,
-                q.dtype() == mx::bfloat16};
+  const AttnArgs args = attn_args(q, k, v, pages, lengths, out.data<void>(), scale_);
   enc.dispatch([args]() {
-    // A length past the row's pages, or a page id past the pool, would read past the buffers.
-    for (int64_t b = 0; b < args.rows; ++b) {
-      const int64_t length = args.lengths[b];
-      if (length > args.max_pages * args.page) {
-        throw std::out_of_range("decode_attention: a row's length is past its pages");
-      }
-      for (int64_t p = 0; p * args.page < length; ++p) {
-        const int32_t id = args.pages[b * args.max_pages + p];
-        if (id < 0 || id >= args.pool_pages) {
-          throw std::out_of_range("decode_attention: a page id is outside the K/V pool");
-        }
-      }
-    }
+    check_attention_reads(args, "decode_attention: ");
     mas::attention(args);
   });
 }

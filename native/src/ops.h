@@ -31,6 +31,11 @@ std::vector<mx::array> cpu_io(mlx::core::cpu::CommandEncoder& enc,
 // scales dtype (float32, float16, else bfloat16).
 void check_affine_qmm(const mx::array& x, const mx::array& w, const mx::array& scales,
                       const mx::array& biases, int group_size, int bits, const std::string& op);
+// The weights' part of it, for x [..., K] (messages prefixed by `op`; `input` names what K
+// came from in them, else "K = ...").
+void check_affine_weights(int64_t K, const mx::array& w, const mx::array& scales,
+                          const mx::array& biases, int group_size, int bits,
+                          const std::string& op, const std::string& input = "");
 ScaleType scale_type(mx::Dtype t);
 // The shape of x [..., K] times w [N, ...].T: x's with its last dimension N.
 mx::Shape out_shape(const mx::array& x, const mx::array& w);
@@ -57,6 +62,14 @@ mx::array f32_matmul(const mx::array& x, const mx::array& w, mx::StreamOrDevice 
 mx::array decode_attention(const mx::array& q, const mx::array& k, const mx::array& v,
                            const mx::array& pages, const mx::array& lengths, float scale,
                            mx::StreamOrDevice s = {});
+// decode_attention's argument checks (messages prefixed by `op`); the kernel's arguments from
+// the row-contiguous arrays; the check, inside the task, that every row reads only its pages.
+void check_decode_attention(const mx::array& q, const mx::array& k, const mx::array& v,
+                            const mx::array& pages, const mx::array& lengths,
+                            const std::string& op);
+AttnArgs attn_args(const mx::array& q, const mx::array& k, const mx::array& v,
+                   const mx::array& pages, const mx::array& lengths, void* out, float scale);
+void check_attention_reads(const AttnArgs& args, const char* op);
 
 class DecodeAttention : public mx::UnaryPrimitive {
  public:
@@ -199,6 +212,17 @@ class QuantizedRows : public mx::UnaryPrimitive {
 mx::array norm_rope(const mx::array& x, const mx::array& weight, float eps, int heads, int dims,
                     bool traditional, float base, float scale, const mx::array& offsets,
                     mx::StreamOrDevice s = {});
+
+// The norm and RoPE's checks and float32 passes (layer_ops.cpp), for the fused decode layer:
+// rms_rows_f32 may write over x; rope_rows_f32 rotates one token per row, [rows, heads, dim].
+void check_norm(const mx::array& x, const mx::array& weight, int dim, const std::string& op);
+void check_rope(int dims, int dim, const mx::array& offsets, int rows, const std::string& op,
+                const char* rows_name);
+void rms_rows_f32(const float* x, const float* weight, float* out, int64_t rows, int64_t dim,
+                  float eps);
+void rope_rows_f32(const float* x, const int32_t* offsets, float* out, int64_t rows,
+                   int64_t heads, int64_t dim, int64_t per_row, int dims, bool traditional,
+                   float base, float scale);
 
 class NormRope : public mx::UnaryPrimitive {
  public:
@@ -443,6 +467,54 @@ class Categorical : public PerRow {
   using PerRow::PerRow;
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
   const char* name() const override { return "MasCategorical"; }
+};
+
+// A Qwen3-style dense decode layer (one token per row, float32, affine-quantized projections
+// of one group size and bit width) in two nodes around its two pool writes (decode_layer.cpp).
+// decode_layer_in: n = rms_norm(x), q/k/v = n @ W.T, q and k each head normed and rotated ->
+// (q [rows, heads, 1, dim], k and v [rows, kv_heads, 1, dim]). decode_layer_out: attention of q
+// over the pools, h = x + o_proj(a), out = h + down(silu(gate(m)) * up(m)), m = rms_norm(h).
+// Each step is the kernel its own node runs, in the same order: the same values bit for bit.
+struct LayerIn {
+  int heads, kv_heads, rope_dims, group_size, bits;
+  bool traditional;
+  float eps, q_eps, k_eps, base, scale;
+};
+std::vector<mx::array> decode_layer_in(const mx::array& x, const mx::array& norm,
+                                       const std::vector<mx::array>& qkv, const mx::array& q_norm,
+                                       const mx::array& k_norm, const mx::array& offsets,
+                                       const LayerIn& p, mx::StreamOrDevice s = {});
+mx::array decode_layer_out(const mx::array& x, const mx::array& q, const mx::array& k_pool,
+                           const mx::array& v_pool, const mx::array& pages,
+                           const mx::array& lengths, float attn_scale,
+                           const std::vector<mx::array>& weights, const mx::array& norm,
+                           float eps, int group_size, int bits, mx::StreamOrDevice s = {});
+
+class DecodeLayerIn : public mx::Primitive {
+ public:
+  DecodeLayerIn(mx::Stream stream, const LayerIn& p) : mx::Primitive(stream), p_(p) {}
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  const char* name() const override { return "MasDecodeLayerIn"; }
+  bool is_equivalent(const mx::Primitive& other) const override;
+
+ private:
+  LayerIn p_;
+};
+
+class DecodeLayerOut : public mx::UnaryPrimitive {
+ public:
+  DecodeLayerOut(mx::Stream stream, float attn_scale, float eps, int group, int bits)
+      : mx::UnaryPrimitive(stream), attn_scale_(attn_scale), eps_(eps), group_(group),
+        bits_(bits) {}
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+  const char* name() const override { return "MasDecodeLayerOut"; }
+  bool is_equivalent(const mx::Primitive& other) const override;
+
+ private:
+  float attn_scale_, eps_;
+  int group_, bits_;
 };
 
 }  // namespace mas

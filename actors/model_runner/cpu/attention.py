@@ -61,14 +61,19 @@ def _fits(queries: mx.array, keys: mx.array, values: mx.array, cache: BatchedKV,
             and heads % pool.shape[0] == 0 and heads // pool.shape[0] <= MAX_GROUP)
 
 
+def takes_kernel(queries: mx.array, keys: mx.array, values: mx.array, cache: Any,
+                 mask: Any) -> bool:
+    """Whether attention() of these would be the decode kernel (on this thread, now)."""
+    return (_kernel.get() is not None and isinstance(cache, BatchedKV)
+            and _fits(queries, keys, values, cache, mask))
+
+
 def attention(queries: mx.array, keys: mx.array, values: mx.array, cache, scale: float,
               mask, sinks=None) -> mx.array:
     """mlx-lm's scaled_dot_product_attention; the kernel for the decode batch's layers."""
-    kernels = _kernel.get()
-    if (kernels is not None and sinks is None and isinstance(cache, BatchedKV)
-            and _fits(queries, keys, values, cache, mask)):
+    if sinks is None and takes_kernel(queries, keys, values, cache, mask):
         p = cache.positions
-        return kernels.decode_attention(queries, cache.keys, cache.values, p.table,
+        return _kernel.get().decode_attention(queries, cache.keys, cache.values, p.table,
                                         p.keys_per_row, scale)
     return fastmath.attention(queries, keys, values, cache=cache, scale=scale, mask=mask,
                               sinks=sinks)

@@ -142,6 +142,14 @@ def _shared_format(x: mx.array, modules: list[nn.Module]) -> list | None:
     return [a for t in triples for a in t]
 
 
+def layer_products(x: mx.array, modules: list[nn.Module]) -> tuple[Any, list, int, int] | None:
+    """(the kernels module, the modules' (weight, scales, biases) flat, group size, bits) where
+    our kernel multiplies every one of them in one format (a fused layer's products); else
+    None."""
+    arrays = _shared_format(x, modules)
+    return None if arrays is None else (_kernels, arrays, modules[0].group_size, modules[0].bits)
+
+
 def shared_products(x: mx.array, modules: list[nn.Module]) -> list[mx.array] | None:
     """[m(x) for m in modules] as one graph node (mas_kernels.affine_qmm_many: each product
     affine_qmm's values) where our kernel multiplies them all in one format; else None."""
