@@ -209,22 +209,42 @@ def wants_mlx_lm(args: argparse.Namespace, entry: dict[str, Any]) -> bool:
 
 
 def serve(entry: dict[str, Any], args: argparse.Namespace, prompts: dict[int, list[str]],
-          bar: tqdm) -> None:
-    """Our graph on the checkpoint (and its runner's memory after the sweep), then
-    mlx_lm.server on it when asked; each alone on the machine."""
+          bar: tqdm) -> dict[str, Any]:
+    """One round on the checkpoint: our graph (and its runner's memory after the sweep), then
+    mlx_lm.server when asked; each alone on the machine."""
     path, label = entry["path"], entry["name"]
+    got: dict[str, Any] = {"servers": {}}
     bar.set_postfix_str(f"{label}, starting {OURS}")
     with ours(path, args.blas, args.set) as target:
-        entry["servers"][OURS] = asyncio.run(sweep(target, prompts, args.output_tokens, bar,
-                                                   label, args.client))
-        entry["runner"] = runner_memory()
+        got["servers"][OURS] = asyncio.run(sweep(target, prompts, args.output_tokens, bar,
+                                                 label, args.client))
+        got["runner"] = runner_memory()
     if wants_mlx_lm(args, entry):
         from models.info import read_model_info
 
         bar.set_postfix_str(f"{label}, starting {THEIRS}")
         with mlx_lm_server(path, args.blas, read_model_info(path).eos_ids) as target:
-            entry["servers"][THEIRS] = asyncio.run(sweep(target, prompts, args.output_tokens,
-                                                         bar, label, args.client))
+            got["servers"][THEIRS] = asyncio.run(sweep(target, prompts, args.output_tokens,
+                                                       bar, label, args.client))
+    return got
+
+
+def median_rounds(entry: dict[str, Any]) -> None:
+    """The entry's figures from its rounds (entry["rounds"]): per server and level the level
+    of the round with the median output tok/s (the lower one of an even count), each keeping
+    every round's output tok/s; the runner's memory of the last round. The rounds alternate
+    the formats, so a ratio of medians compares formats under the same spread of load."""
+    rounds = entry["rounds"]
+    entry["runner"] = rounds[-1]["runner"]
+    for server in rounds[0]["servers"]:
+        levels = []
+        for i, level in enumerate(rounds[0]["servers"][server]["sweep"]):
+            runs = sorted((r["servers"][server]["sweep"][i] for r in rounds),
+                          key=lambda row: row["output_tok_s"])
+            levels.append({**runs[(len(runs) - 1) // 2],
+                           "rounds_output_tok_s": [r["servers"][server]["sweep"][i]
+                                                   ["output_tok_s"] for r in rounds]})
+        entry["servers"][server] = {"sweep": levels}
 
 
 # ---- ratios and targets (pure: results in, numbers out) ----
@@ -288,7 +308,8 @@ def markdown(results: dict[str, Any], json_path: Path, md_path: Path) -> str:
         f"{_CLIENTS[results.get('client', 'openai')]}. Memory bandwidth "
         f"{results['bandwidth_bytes_s'] / 1e9:.1f} GB/s (numpy sum over 1 GiB, best of 3); the "
         "c=1 ceiling is that over the weight bytes a decode step reads (tied embeddings once). "
-        f"Runner RSS after the sweep. Raw numbers: `{_rel(json_path, md_path)}`.", "",
+        f"Runner RSS after the sweep. Raw numbers: `{_rel(json_path, md_path)}`."
+        + _rounds_note(results), "",
         f"| format | weights MiB | c=1 ceiling tok/s | server | c={lo} out tok/s | c={hi} out "
         f"tok/s | c={hi} TTFT p50 | runner RSS MiB |", "|---|---|---|---|---|---|---|---|"]
     for e in results["formats"]:
@@ -321,6 +342,18 @@ def markdown(results: dict[str, Any], json_path: Path, md_path: Path) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _rounds_note(results: dict[str, Any]) -> str:
+    n = results.get("rounds", 1)
+    if n < 2:
+        return ""
+    lo = min(results["concurrency"])
+    each = "; ".join(
+        f"{e['format']} " + " / ".join(_f(v) for v in _row(e, OURS, lo)["rounds_output_tok_s"])
+        for e in results["formats"])
+    return (f" Every figure is the median of {n} rounds, each round serving every format in "
+            f"turn (c={lo} output tok/s of ours per round: {each}).")
+
+
 def _rss(runner: dict[str, Any]) -> str:
     found = runner["found_by"].startswith("the process")
     return _f(runner["rss_mib"], 0) + ("" if found else f" ({runner['found_by']})")
@@ -344,6 +377,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--prompt-tokens", type=int, default=128)
     p.add_argument("--output-tokens", type=int, default=64)
     p.add_argument("--waves", type=int, default=1, help="waves of c requests per level")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="rounds serving every format in turn; figures are the rounds' medians")
     p.add_argument("--min-requests", type=int, default=2,
                    help="requests per level at least (one c = 1 request is one noisy sample)")
     p.add_argument("--blas", default="auto", help="runtime.blas for both servers")
@@ -356,7 +391,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "one, or lean_client.py's, a third of its CPU on the shared cores")
     p.add_argument("--json", default=str(ROOT / "docs" / "bench" / "formats.json"))
     p.add_argument("--markdown", default=str(ROOT / "BENCHMARKS.md"))
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.rounds < 1:
+        p.error(f"--rounds must be at least 1, got {args.rounds}")
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -372,7 +410,7 @@ def main(argv: list[str] | None = None) -> int:
     for name, path in checkpoints(args):
         weights = read_weights(path)
         entries.append({"name": name, "path": path, "format": format_of(path, weights),
-                        "weights": weights, "servers": {},
+                        "weights": weights, "servers": {}, "rounds": [],
                         "ceiling_tok_s": bytes_s / weights["read_bytes_per_token"]})
     results: dict[str, Any] = {
         "command": command.strip(), "date": time.strftime("%Y-%m-%d %H:%M"),
@@ -380,14 +418,18 @@ def main(argv: list[str] | None = None) -> int:
         "blas": blas.find(args.blas) or "bundled", "prompt_tokens": args.prompt_tokens,
         "output_tokens": args.output_tokens, "concurrency": args.concurrency,
         "waves": args.waves, "min_requests": args.min_requests, "client": args.client,
+        "rounds": args.rounds,
         "bandwidth_bytes_s": bytes_s,
         "formats": entries}
     prompts = make_prompts(entries[0]["path"], args)  # one model: one tokenizer
     per_server = sum(len(v) for v in prompts.values())
-    total = sum(per_server * (1 + wants_mlx_lm(args, e)) for e in entries)
+    total = args.rounds * sum(per_server * (1 + wants_mlx_lm(args, e)) for e in entries)
     with tqdm(total=total, unit="req", desc="formats") as bar:
-        for entry in entries:
-            serve(entry, args, prompts, bar)
+        for _ in range(args.rounds):
+            for entry in entries:
+                entry["rounds"].append(serve(entry, args, prompts, bar))
+    for entry in entries:
+        median_rounds(entry)
     results["ratios"], results["targets"] = ratios(results), targets(results)
     json_path, md_path = Path(args.json), Path(args.markdown)
     json_path.parent.mkdir(parents=True, exist_ok=True)

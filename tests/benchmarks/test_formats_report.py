@@ -10,7 +10,8 @@ import math
 import mlx.core as mx
 import pytest
 
-from benchmarks.serving.formats import format_of, ratios, read_weights, targets
+from benchmarks.serving.formats import (format_of, markdown, median_rounds, parse_args, ratios,
+                                        read_weights, targets)
 from benchmarks.serving.report import (FORMATS, NOTES, OURS, THEIRS, put_formats_block,
                                        write_markdown)
 
@@ -110,3 +111,37 @@ def main_results() -> dict:
                                  "itl_before_p50_s": nan, "itl_during_p50_s": nan,
                                  "itl_during_p99_s": nan, "itl_during_max_s": nan,
                                  "long_ttft_p50_s": nan}}}}
+
+
+def test_rounds_give_the_median_round_of_each_level_and_say_so(tmp_path):
+    """--rounds: each server's level is the round with the median output tok/s (the lower of
+    an even count), every round's figure kept and shown; the runner's memory is the last
+    round's."""
+    def round_(rates: dict[int, float], rss: float) -> dict:
+        entry = make_entry("m", "4bit", rates, {1: 5.0, 16: 30.0}, rss_mib=rss)
+        entry["runner"]["found_by"] = "the process"
+        for server in entry["servers"].values():
+            for row in server["sweep"]:  # ttft: a field that must come with the chosen round
+                row.update(ttft_p50_s=row["output_tok_s"] / 1000, decode_tok_s=1.0,
+                           itl_p50_s=0.01, errors=0)
+        return {"servers": entry["servers"], "runner": entry["runner"]}
+
+    entry = {**make_entry("m", "4bit", {}, None, rss_mib=0.0), "weights": {"stored_bytes": 1}, "rounds": [
+        round_({1: 30.0, 16: 90.0}, 600.0), round_({1: 10.0, 16: 120.0}, 610.0),
+        round_({1: 20.0, 16: 100.0}, 620.0), round_({1: 40.0, 16: 80.0}, 630.0)]}
+    median_rounds(entry)
+    ours = {r["concurrency"]: r for r in entry["servers"][OURS]["sweep"]}
+    assert ours[1]["output_tok_s"] == 20.0 and ours[16]["output_tok_s"] == 90.0
+    assert ours[1]["rounds_output_tok_s"] == [30.0, 10.0, 20.0, 40.0]
+    assert ours[16]["ttft_p50_s"] == 0.09 and entry["runner"]["rss_mib"] == 630.0
+    assert entry["servers"][THEIRS]["sweep"][0]["output_tok_s"] == 5.0
+    results = make_results()
+    results["formats"] = [entry]
+    results.update(rounds=4, command="x", date="d", machine={"cpu": "c", "cores": 2,
+                   "system": "s", "python": "3"}, model="m", blas="b", prompt_tokens=8,
+                   output_tokens=8, waves=1, bandwidth_bytes_s=1e9)
+    results["ratios"], results["targets"] = ratios(results), targets(results)
+    text = markdown(results, tmp_path / "f.json", tmp_path / "B.md")
+    assert "median of 4 rounds" in text and "4bit 30.0 / 10.0 / 20.0 / 40.0" in text
+    with pytest.raises(SystemExit):
+        parse_args(["--rounds", "0"])
