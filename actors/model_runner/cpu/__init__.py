@@ -9,7 +9,8 @@
   `runtime.weights = "auto"` where the kernels are built, CPU only);
 - norm_rope.py: RMS norms and RoPEs as one graph node each through the compiled kernels (same
   condition);
-- qwen3_layers.py: mlx-lm's Qwen3 attention and MLP in fewer graph nodes (same condition);
+- qwen3_layers.py: mlx-lm's Qwen3 attention and MLP in fewer graph nodes, and a whole decode
+  layer with affine-quantized projections in two (same condition);
 - chunked_delta.py: the gated-delta recurrence of hybrid models through the compiled kernel,
   or in blocks of matrix products (`runtime.linear_prefill`);
 - fastmath.py: the attention softmax and the SiLU in NumPy (`runtime.fast_math`, CPU only);
@@ -51,7 +52,7 @@ class Installed:
     fast_math_globals: int  # mlx-lm module globals pointed at fastmath's dispatchers
     decode_attention: bool  # whether the decode batch's attention takes the compiled kernel
     norm_rope_modules: int  # RMS norm and RoPE modules switched to the compiled kernels
-    qwen3_layers: int  # Qwen3 attention and MLP layers switched to their few-node forms
+    qwen3_layers: int  # Qwen3 attention, MLP and block modules switched to few-node forms
     buffer_cache_mib: int  # MLX's buffer cache limit set (0: MLX's default kept)
     head_modules: int  # LM head modules that can cut to the last position
     greedy_head_mib: float  # the greedy head's int8 copy of the LM head (0: not in use)
