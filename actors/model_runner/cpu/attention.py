@@ -74,7 +74,7 @@ def attention(queries: mx.array, keys: mx.array, values: mx.array, cache, scale:
     if sinks is None and takes_kernel(queries, keys, values, cache, mask):
         p = cache.positions
         return _kernel.get().decode_attention(queries, cache.keys, cache.values, p.table,
-                                        p.keys_per_row, scale)
+                                              p.keys_per_row, scale)
     return fastmath.attention(queries, keys, values, cache=cache, scale=scale, mask=mask,
                               sinks=sinks)
 

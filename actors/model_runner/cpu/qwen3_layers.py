@@ -19,7 +19,7 @@ most of the runner thread's step. Here:
   projections are affine-quantized in one format: two nodes around the pool writes
   (mas_kernels.decode_layer_in: norm, q/k/v, norm+RoPE; decode_layer_out: attention, o_proj,
   residual, norm, SwiGLU, down, residual) where the forms above leave twelve, bit for bit
-  their values. qwen3-small-4bit's decode step: 134 nodes -> 54.
+  their values. qwen3-small-4bit's decode step at one row: 134 nodes -> 46.
 """
 
 from __future__ import annotations
