@@ -132,6 +132,8 @@ struct Q4 : Affine<ST> {
   static constexpr int kBytes = 8;  // per chunk
   // One row of x takes the sum form (driver.inc's sum_tile): the codes as float, times x.
   static constexpr bool kSumForm = true;
+  // ... and in integers where it can (q4_pieces.inc).
+  static constexpr bool kPieces = true;
   const int* perm = kPerms.q4;
   using Row = typename Affine<ST>::Row;
   using Grp = typename Affine<ST>::Grp;
@@ -222,6 +224,7 @@ struct F32 : Dense<float> {
 };
 
 #include "driver.inc"
+#include "q4_pieces.inc"
 
 }  // namespace
 
