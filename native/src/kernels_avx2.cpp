@@ -25,6 +25,10 @@ constexpr int64_t kGB = 32;  // groups whose scales are widened at once
 static_assert(kGB % 8 == 0, "widen_scales stores whole vectors");
 constexpr int kDirectNR1 = 4, kDirectNR = 2;  // rows per direct tile: M = 1, M = 2..4
 constexpr int kMicroMR = 4, kMicroNR = 2;
+// From this many rows of x the scratch path takes the outer-product form (driver.inc's outer),
+// kOuterMR rows at a time: 12 accumulators.
+constexpr int64_t kOuterMinM = 24;
+constexpr int kOuterMR = 6;
 
 inline vf vzero() { return _mm256_setzero_ps(); }
 inline vf vload(const float* p) { return _mm256_loadu_ps(p); }

@@ -26,6 +26,9 @@ constexpr int CH = 32;
 constexpr int64_t kGB = 32;  // groups whose scales are widened at once
 constexpr int kDirectNR1 = 8, kDirectNR = 4;  // rows per direct tile: M = 1, M = 2..4
 constexpr int kMicroMR = 4, kMicroNR = 4;
+// driver.inc's outer-product form stays off here (measured on AVX2 only).
+constexpr int64_t kOuterMinM = INT64_MAX;
+constexpr int kOuterMR = 4;
 
 // dst[i] = src[perm[i]], i < 32: two-source permutes.
 inline void permute_chunk(const float* src, float* dst, const int* perm) {
