@@ -132,11 +132,13 @@ NB_MODULE(_ext, m) {
       "v [B, T, Hv, Dv], g and beta [B, T, Hv], state [B, Hv, Dv, Dk] -> (y [B, T, Hv, Dv], "
       "the final state): mlx-lm's gated_delta_ops (scalar gates, no mask) as one graph node.");
   m.def("kv_write", &mas::kv_write, "pool"_a, "index"_a, "rows"_a, nb::kw_only(),
-        "stream"_a = nb::none(),
+        "in_place"_a = false, "stream"_a = nb::none(),
         "A decode step's writes into one page pool as one graph node: pool [kv_heads, pages, "
         "page, dim] with row j of rows [n, kv_heads, 1, dim] (seen as [n x kv_heads, dim], the "
         "pool's type) at slot index[j] (int32 [n x kv_heads]) of the pool seen flat as "
-        "[kv_heads x pages x page, dim]. -> the pool, written in place where it can be donated.");
+        "[kv_heads x pages x page, dim]. -> the pool, written in place where it can be donated; "
+        "in_place: wherever it is row-contiguous, even where something else holds it (its "
+        "owner queues every read of the old contents before the write, on the same stream).");
   m.def("quantized_rows", &mas::quantized_rows, "w"_a, "scales"_a, "biases"_a, "ids"_a,
         "group_size"_a, "bits"_a, "float32"_a = false, nb::kw_only(), "stream"_a = nb::none(),
         "Rows ids (int32 [n]) of a quantized table (w uint32 [vocab, K * bits / 32], mlx's "

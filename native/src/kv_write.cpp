@@ -21,10 +21,11 @@ namespace {
 std::atomic<int64_t> g_copies{0};  // pools copied because they could not be donated
 
 // `out` takes over `pool`'s buffer where MLX would let its own ops donate it (nothing else
-// holds it, and it is not a view into a much larger buffer that it would keep alive); else a
-// copy of it, made on the stream.
-void take_or_copy(const mx::array& pool, mx::array& out, mx::cpu::CommandEncoder& enc) {
-  if (pool.is_donatable() && pool.flags().row_contiguous &&
+// holds it, and it is not a view into a much larger buffer that it would keep alive), or where
+// the caller said in_place and it is not such a view; else a copy of it, made on the stream.
+void take_or_copy(const mx::array& pool, mx::array& out, mx::cpu::CommandEncoder& enc,
+                  bool in_place) {
+  if ((in_place || pool.is_donatable()) && pool.flags().row_contiguous &&
       pool.buffer_size() <= pool.nbytes() + (16 << 10)) {
     out.copy_shared_buffer(pool);
     return;
@@ -44,7 +45,7 @@ void take_or_copy(const mx::array& pool, mx::array& out, mx::cpu::CommandEncoder
 }  // namespace
 
 mx::array kv_write(const mx::array& pool, const mx::array& index, const mx::array& rows,
-                   mx::StreamOrDevice s) {
+                   bool in_place, mx::StreamOrDevice s) {
   const std::string op = "kv_write: ";
   if (pool.ndim() != 4) {
     throw std::invalid_argument(op + "pool must be [kv_heads, pages, page, dim], got " +
@@ -64,7 +65,7 @@ mx::array kv_write(const mx::array& pool, const mx::array& index, const mx::arra
                                 shape_str(index.shape()));
   }
   mx::Stream stream = cpu_stream(s, "kv_write");
-  return mx::array(pool.shape(), pool.dtype(), std::make_shared<KvWrite>(stream),
+  return mx::array(pool.shape(), pool.dtype(), std::make_shared<KvWrite>(stream, in_place),
                    {pool, index, rows});
 }
 
@@ -72,7 +73,7 @@ int64_t kv_write_copies() { return g_copies.load(std::memory_order_relaxed); }
 
 void KvWrite::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
   auto& enc = mx::cpu::get_command_encoder(stream());
-  take_or_copy(inputs[0], out, enc);
+  take_or_copy(inputs[0], out, enc, in_place_);
   const mx::array index = row_contiguous(inputs[1], enc), rows = row_contiguous(inputs[2], enc);
   enc.set_input_array(index);
   enc.set_input_array(rows);

@@ -165,21 +165,29 @@ std::vector<mx::array> gated_delta(const mx::array& q, const mx::array& k, const
 // index int32 [rows x kv_heads] the slot of each new row in the pool seen flat as [kv_heads x
 // pages x page, dim], rows [rows, kv_heads, 1, dim] in the pool's type -> the pool with row j
 // of rows (seen as [rows x kv_heads, dim]) at slot index[j], written in place when the pool can
-// be donated. kv_write_copies: how many pools had to be copied since the module loaded.
+// be donated, or with in_place wherever it is row-contiguous: for a pool whose owner queues
+// every read of its old contents before this write, on the same stream (the runner's decode
+// pools, read by the step before, which may still be queued), so nobody sees the old contents
+// change. kv_write_copies: how many pools had to be copied since the module loaded.
 mx::array kv_write(const mx::array& pool, const mx::array& index, const mx::array& rows,
-                   mx::StreamOrDevice s = {});
+                   bool in_place = false, mx::StreamOrDevice s = {});
 int64_t kv_write_copies();
 
 class KvWrite : public mx::UnaryPrimitive {
  public:
-  explicit KvWrite(mx::Stream stream) : mx::UnaryPrimitive(stream) {}
+  KvWrite(mx::Stream stream, bool in_place) : mx::UnaryPrimitive(stream), in_place_(in_place) {}
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
   void eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) override;
   const char* name() const override { return "MasKvWrite"; }
-  bool is_equivalent(const mx::Primitive& other) const override { return true; }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    return in_place_ == static_cast<const KvWrite&>(other).in_place_;
+  }
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
     return {inputs[0].shape()};
   }
+
+ private:
+  bool in_place_;
 };
 
 // Rows ids of a quantized table, dequantized (quantized_rows.cpp): w uint32 [vocab, K * bits /

@@ -70,6 +70,26 @@ def test_in_place_unless_the_pool_is_held():
     assert float(held.max()) == 1.0 and float(written.max()) == 2.0
 
 
+def test_in_place_even_where_the_pool_is_held_when_told():
+    """in_place (the runner's pools): written into the buffer the holder reads too, never
+    copied; a strided view is still laid out afresh, never written through."""
+    index, rows = mx.array(_slots([(1, 2)])), mx.ones((1, HEADS, 1, DIM))
+    pool = mx.zeros((HEADS, PAGES, PAGE, DIM))
+    mx.eval(pool, index, rows)
+    held, copies = pool, mk._ext._kv_write_copies()
+    written = mk.kv_write(pool, index, rows * 3, in_place=True)
+    mx.eval(written)
+    assert mk._ext._kv_write_copies() == copies
+    assert float(written.max()) == 3.0 and float(held.max()) == 3.0  # one buffer
+    base = mx.zeros((PAGES, HEADS, PAGE, DIM))
+    view = base.transpose(1, 0, 2, 3)
+    mx.eval(base, view)
+    out = mk.kv_write(view, index, rows, in_place=True)
+    mx.eval(out)
+    assert mk._ext._kv_write_copies() == copies + 1
+    assert float(out.max()) == 1.0 and float(base.max()) == 0.0
+
+
 def test_bad_arguments_raise():
     pool, rows = mx.zeros((HEADS, PAGES, PAGE, DIM)), mx.zeros((2, HEADS, 1, DIM))
     index = mx.array(_slots([(0, 0), (0, 1)]))
@@ -88,8 +108,8 @@ def test_bad_arguments_raise():
 @pytest.mark.parametrize("name", ["qwen3-tiny", "qwen3-tiny-4bit"])
 def test_the_runners_decode_writes_its_pools_in_place(name, model_cache):
     """The runner core's overlapped decode (depth 2: step N+1 built while step N runs),
-    compiled and eager, writes through the kernel and never has to copy a pool: each step's
-    pools are donated to the next. Its tokens are mlx-lm's (greedy)."""
+    compiled and eager, writes through the kernel in place and never has to copy a pool. Its
+    tokens are mlx-lm's (greedy)."""
     from actors.model_runner.loading import load_model
     from actors.model_runner.runner import ModelRunner
     from actors.scheduler.core import Scheduler
@@ -109,9 +129,9 @@ def test_the_runners_decode_writes_its_pools_in_place(name, model_cache):
     for compile_decode in (True, False):
         writes = []
 
-        def counted(pool, index, rows):
-            writes.append(pool.shape)
-            return original(pool, index, rows)
+        def counted(pool, index, rows, **kw):
+            writes.append((pool.shape, kw))
+            return original(pool, index, rows, **kw)
 
         runner = ModelRunner(load_model(path), 3, kv_slots=1 << 12,
                              runtime=RuntimeConfig(compile_decode=compile_decode))
@@ -124,6 +144,7 @@ def test_the_runners_decode_writes_its_pools_in_place(name, model_cache):
         finally:
             mk.kv_write = original
         assert writes, "the decode steps did not write through the kernel"
+        assert all(kw == {"in_place": True} for _, kw in writes), writes[:2]
         assert mk._ext._kv_write_copies() == copies
         if compile_decode:  # the compiled forward ran its traces, not the eager one
             assert runner.compiled is not None and runner.compiled.off is None

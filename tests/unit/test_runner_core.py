@@ -373,12 +373,18 @@ def test_state_slots_hold_what_ops_keep_and_nothing_else(setup, model_cache):
 def test_on_the_cpu_a_step_is_sent_before_the_next_one_is_queued(setup):
     """MLX's CPU eval runs a graph as it is queued (async_eval returns with little left), so
     the runner reads step N back once step N+1's graph is built and before it is queued: the
-    Pipeline sends N while launching N+1, not after it (one step earlier to the client)."""
+    Pipeline sends N while launching N+1, not after it (one step earlier to the client).
+    Except a plain decode step of a compiled attention-only model (runner.early_queue): that
+    one is queued first, then N is read back, with the tokens of steps run one at a time and
+    no pool copied for a write."""
+    import mas_kernels as mk
+
     from actors.model_runner.pipeline import Pipeline
 
     path, oracle, _ = setup
     runner = ModelRunner(load_model(path), 2)
-    calls = []
+    alone = ModelRunner(load_model(path), 2)
+    calls, tokens = [], {}
 
     class Thread:
         log = None
@@ -396,19 +402,27 @@ def test_on_the_cpu_a_step_is_sent_before_the_next_one_is_queued(setup):
 
         def send(self, result, started):
             calls.append(("sent", result.step))
+            tokens[result.step] = result.tokens
 
     pipe = Pipeline(Thread())
     p = oracle.tokenizer.encode(PROMPTS[0])
-    pipe.launch(m.ForwardBatch(step=1, rows=[1], input_lens=[len(p)], start_pos=[0],
-                               future=[False], sample=[True], input_ids=pack_ids(p),
-                               admit_rows=[1], admit_params=[m.SamplingParams(max_new_tokens=4)]))
-    for step in (2, 3):
-        pipe.launch(m.ForwardBatch(step=step, rows=[1], input_lens=[1],
-                                   start_pos=[len(p) + step - 2], future=[True], sample=[True],
-                                   input_ids=b""))
+    batches = [m.ForwardBatch(step=1, rows=[1], input_lens=[len(p)], start_pos=[0],
+                              future=[False], sample=[True], input_ids=pack_ids(p),
+                              admit_rows=[1], admit_params=[m.SamplingParams(max_new_tokens=5)])]
+    batches += [m.ForwardBatch(step=step, rows=[1], input_lens=[1], start_pos=[len(p) + step - 2],
+                               future=[True], sample=[True], input_ids=b"")
+                for step in (2, 3, 4)]
+    copies = mk._ext._kv_write_copies()
+    for b in batches:
+        pipe.launch(b)
     pipe.flush()
-    assert calls == [("queued", 1), ("sent", 1), ("queued", 2), ("sent", 2), ("queued", 3),
-                     ("sent", 3)]
+    if runner.early_queue:  # step 2 (the row joins the decode batch) reads step 1 back first
+        assert calls == [("queued", 1), ("sent", 1), ("queued", 2), ("queued", 3), ("sent", 2),
+                         ("queued", 4), ("sent", 3), ("sent", 4)], calls
+        assert mk._ext._kv_write_copies() == copies
+    else:
+        assert calls == [x for b in batches for x in (("queued", b.step), ("sent", b.step))]
+    assert tokens == {b.step: alone.step(b).tokens for b in batches}
 
 
 @pytest.mark.parametrize("greedy", [True, False], ids=["greedy-head", "full-head"])

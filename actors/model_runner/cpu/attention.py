@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import sys
 from contextlib import contextmanager
+from functools import partial
 from typing import Any, Iterator
 
 import mlx.core as mx
@@ -41,8 +42,10 @@ _kernel: ThreadFlag[Any] = ThreadFlag(None)  # the mas_kernels module, inside ac
 @contextmanager
 def active(kernels: Any) -> Iterator[None]:
     """Send the decode batch's attention and its pool writes on this thread to `kernels`
-    (None: MLX's path)."""
-    write = None if kernels is None else kernels.kv_write
+    (None: MLX's path). The writes are in place: the runner queues every read of a pool's old
+    contents (the last step's) before them on its one stream, even when that step is still
+    queued (runner.early_queue), where MLX would copy a pool something else holds."""
+    write = None if kernels is None else partial(kernels.kv_write, in_place=True)
     with _kernel.holding(kernels), pool_writer.holding(write):
         yield
 
