@@ -39,7 +39,7 @@ import mlx.nn as nn
 
 from actors.logs import get_logger
 from actors.model_runner.cpu import greedy_head
-from actors.model_runner.decode_batch import BatchedKV, BatchedStates, DecodeBatch
+from actors.model_runner.decode_batch import BatchedKV, BatchedStates, DecodeBatch, pool_in_place
 from protocol.messages import LAYER_FULL, LAYER_RECURRENT
 
 PLAIN, REPLACE, KEEP = "plain", "replace", "keep"  # the head: none captured, greedy, kept
@@ -48,7 +48,7 @@ PLAIN, REPLACE, KEEP = "plain", "replace", "keep"  # the head: none captured, gr
 class CompiledDecode:
     def __init__(self, model: nn.Module, batch: DecodeBatch, kernels: Any):
         self.model, self.batch, self.kernels = model, batch, kernels
-        self._fns: dict[str, Callable] = {}  # per head mode (a different graph each)
+        self._fns: dict[tuple[str, bool], Callable] = {}  # per head mode and in_place
         self._head_module: dict[str, Any] = {}
         self.off: str | None = None  # why it stopped, once it did
         self.calls = 0
@@ -99,9 +99,11 @@ class CompiledDecode:
         states = [list(c.cache) for c in recurrent]
         step = (p.offset, p.table, p.mask, p.keys_per_row)
         head = None if got is None else (got.module, got.hidden, got.placeholder)
-        fn = self._fns.get(mode)
+        # The pool writes' in_place is part of the trace: a graph for each.
+        key = (mode, pool_in_place.get())
+        fn = self._fns.get(key)
         if fn is None:
-            fn = self._fns[mode] = mx.compile(self._traced(mode, heads))
+            fn = self._fns[key] = mx.compile(self._traced(mode, heads))
         self._got = got
         self.kernels.set_compile_fusion(False)
         try:

@@ -158,6 +158,8 @@ class Positions:
 # costs the CPU stream and the submitting thread microseconds whatever its size: qwen3-small-4bit
 # at one row, compiled, the step's 64 nodes of writes cost ~0.5-1 ms of a ~5.5 ms step.
 pool_writer: ThreadFlag[Any] = ThreadFlag(None)
+# Whether those writes are in place even where the pool is held (cpu/attention.active).
+pool_in_place: ThreadFlag[bool] = ThreadFlag(False)
 
 
 class BatchedKV:

@@ -110,9 +110,9 @@ class ModelRunner:
         so the caller can launch the next step (its inputs are this step's lazy tokens in
         token_buf) before finish() waits for this one. Where building the step has to wait
         for values, pipeline.before_host_sync() runs first."""
-        with self.cpu.steps():
+        early = self._queues_early(batch)
+        with self.cpu.steps(in_place=early):
             started = time.perf_counter()
-            early = self._queues_early(batch)
             for op in batch.ops:
                 self.pools.apply(op, self.rows)
             self._release(batch.release_rows)

@@ -108,8 +108,8 @@ def test_bad_arguments_raise():
 @pytest.mark.parametrize("name", ["qwen3-tiny", "qwen3-tiny-4bit"])
 def test_the_runners_decode_writes_its_pools_in_place(name, model_cache):
     """The runner core's overlapped decode (depth 2: step N+1 built while step N runs),
-    compiled and eager, writes through the kernel in place and never has to copy a pool. Its
-    tokens are mlx-lm's (greedy)."""
+    compiled and eager, writes through the kernel and never has to copy a pool. Its tokens
+    are mlx-lm's (greedy)."""
     from actors.model_runner.loading import load_model
     from actors.model_runner.runner import ModelRunner
     from actors.scheduler.core import Scheduler
@@ -144,7 +144,10 @@ def test_the_runners_decode_writes_its_pools_in_place(name, model_cache):
         finally:
             mk.kv_write = original
         assert writes, "the decode steps did not write through the kernel"
-        assert all(kw == {"in_place": True} for _, kw in writes), writes[:2]
+        # In place only in the plain decode steps queued early (compiled, runner.early_queue);
+        # steps that also join, park or save rows write as MLX would.
+        kinds = {kw["in_place"] for _, kw in writes}
+        assert kinds == ({True, False} if compile_decode else {False}), kinds
         assert mk._ext._kv_write_copies() == copies
         if compile_decode:  # the compiled forward ran its traces, not the eager one
             assert runner.compiled is not None and runner.compiled.off is None

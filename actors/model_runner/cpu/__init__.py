@@ -67,16 +67,17 @@ class Installed:
         return {f.name: getattr(self, f.name) for f in fields(self)
                 if f.name not in ("weights", "greedy")}
 
-    def steps(self) -> AbstractContextManager[None]:
+    def steps(self, in_place: bool = False) -> AbstractContextManager[None]:
         """The context the runner builds its steps in: fast math on where configured, the
-        decode attention kernel and the sampled rows' draws through the kernels where built."""
+        decode attention kernel and the sampled rows' draws through the kernels where built;
+        in_place: the pool writes in place (attention.active)."""
         from actors.model_runner import sampling
         from actors.model_runner.cpu import attention, fastmath, weights
 
         kernels = weights.loaded_kernels() if self.decode_attention else None
         stack = ExitStack()
         stack.enter_context(fastmath.active(self.fast_math))
-        stack.enter_context(attention.active(kernels))
+        stack.enter_context(attention.active(kernels, in_place))
         stack.enter_context(sampling.kernel_draws(kernels))
         return stack
 

@@ -27,7 +27,7 @@ import mlx.nn as nn
 from mlx_lm.models import base
 
 from actors.model_runner.cpu import fastmath
-from actors.model_runner.decode_batch import BatchedKV, pool_writer
+from actors.model_runner.decode_batch import BatchedKV, pool_in_place, pool_writer
 from actors.model_runner.thread_flag import ThreadFlag
 
 MAX_GROUP = 64  # query heads per KV head the kernel takes
@@ -40,13 +40,14 @@ _kernel: ThreadFlag[Any] = ThreadFlag(None)  # the mas_kernels module, inside ac
 
 
 @contextmanager
-def active(kernels: Any) -> Iterator[None]:
+def active(kernels: Any, in_place: bool = False) -> Iterator[None]:
     """Send the decode batch's attention and its pool writes on this thread to `kernels`
-    (None: MLX's path). The writes are in place: the runner queues every read of a pool's old
-    contents (the last step's) before them on its one stream, even when that step is still
-    queued (runner.early_queue), where MLX would copy a pool something else holds."""
-    write = None if kernels is None else partial(kernels.kv_write, in_place=True)
-    with _kernel.holding(kernels), pool_writer.holding(write):
+    (None: MLX's path). in_place: the writes go into the pools even where the last step,
+    still queued, holds them (runner.early_queue): every read of their old contents is queued
+    before them on the one stream. Only for a plain decode step: in any other, a read of the
+    pool queued in the same step (an op saving a row's KV) may run after the write."""
+    write = None if kernels is None else partial(kernels.kv_write, in_place=in_place)
+    with _kernel.holding(kernels), pool_writer.holding(write), pool_in_place.holding(in_place):
         yield
 
 
