@@ -158,7 +158,8 @@ class Positions:
 # costs the CPU stream and the submitting thread microseconds whatever its size: qwen3-small-4bit
 # at one row, compiled, the step's 64 nodes of writes cost ~0.5-1 ms of a ~5.5 ms step.
 pool_writer: ThreadFlag[Any] = ThreadFlag(None)
-# Whether those writes are in place even where the pool is held (cpu/attention.active).
+# Whether those writes are in place even where the pool is held (cpu/attention.active; the
+# compiled decode keeps a trace for each).
 pool_in_place: ThreadFlag[bool] = ThreadFlag(False)
 
 
@@ -201,7 +202,9 @@ class BatchedKV:
         write = pool_writer.get()
         if (write is not None and keys.dtype == values.dtype == self.keys.dtype
                 == self.values.dtype and keys.shape[2] == values.shape[2] == 1):
-            self.keys, self.values = write(self.keys, index, keys), write(self.values, index, values)
+            in_place = pool_in_place.get()
+            self.keys = write(self.keys, index, keys, in_place=in_place)
+            self.values = write(self.values, index, values, in_place=in_place)
         else:  # one scatter per pool seen flat, in place (the old buffer is donated)
             written = []
             for pool, new in ((self.keys, keys), (self.values, values)):

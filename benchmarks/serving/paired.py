@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import json
 import statistics
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -124,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
                    for fmt, (_, path) in zip(args.formats, found)}
         runs = asyncio.run(take_turns(targets, prompts, args.output_tokens, args.warmup))
     result = {"command": "python -m benchmarks.serving.paired "
-                         + " ".join(argv if argv is not None else __import__("sys").argv[1:]),
+                         + " ".join(argv if argv is not None else sys.argv[1:]),
               "date": time.strftime("%Y-%m-%d %H:%M"), "model": args.model,
               "pairs": args.pairs, "prompt_tokens": args.prompt_tokens,
               "output_tokens": args.output_tokens, **summarize(args.formats, runs)}

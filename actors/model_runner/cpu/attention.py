@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import sys
 from contextlib import contextmanager
-from functools import partial
 from typing import Any, Iterator
 
 import mlx.core as mx
@@ -46,7 +45,7 @@ def active(kernels: Any, in_place: bool = False) -> Iterator[None]:
     still queued, holds them (runner.early_queue): every read of their old contents is queued
     before them on the one stream. Only for a plain decode step: in any other, a read of the
     pool queued in the same step (an op saving a row's KV) may run after the write."""
-    write = None if kernels is None else partial(kernels.kv_write, in_place=in_place)
+    write = None if kernels is None else kernels.kv_write
     with _kernel.holding(kernels), pool_writer.holding(write), pool_in_place.holding(in_place):
         yield
 
