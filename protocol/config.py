@@ -219,6 +219,13 @@ class RuntimeConfig(Section):
     # layer), and the layers' short causal convolution as shifted sums instead of MLX's CPU
     # convolution (actors/model_runner/chunked_delta.py). false: mlx-lm's own, as before.
     linear_prefill: bool = True
+    # CPU only (Linux, compiled kernels, one runner process on the machine, 2+ CPUs): MLX's
+    # stream thread, which runs every kernel of a step in turn, on a core of its own, and every
+    # other thread of the graph (the other actors, the runner's Python, the kernels' and the
+    # BLAS's workers) on the other cores, so a wake-up elsewhere never stalls the step
+    # (actors/model_runner/cpu/cores.py; qwen3-small-4bit served at one request on 2 cores:
+    # +12-14% tokens/s). The runner.cores log says what was pinned, or why not.
+    pin_stream: bool = True
 
 
 class RunnerConfig(Section):

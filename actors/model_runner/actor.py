@@ -13,6 +13,8 @@ import time
 import mlx.core as mx
 
 from actors.model_runner import tensor_parallel
+from actors.model_runner.cpu import cores
+from actors.model_runner.cpu.weights import load_kernels
 from actors.model_runner.loading import load_model
 from actors.model_runner.pipeline import Pipeline
 from actors.model_runner.runner import ModelRunner
@@ -36,6 +38,9 @@ class MlxThread(threading.Thread):
         self.last_sent = 0.0
         self.rank = shell.rank  # only rank 0 sends results
         self.watchdog = tensor_parallel.Watchdog(shell.cfg.runner.step_timeout_s)
+        self.cores: dict = {}  # what pin_cores() did, for the runner.cores log
+        self._pinned: tuple[int, cores.Cores] | None = None  # the stream thread and its plan
+        self._repinned = 0.0  # when repin() last looked
 
     def _runner(self, model) -> ModelRunner:
         cfg, info = self.shell.cfg, self.shell.model
@@ -63,6 +68,9 @@ class MlxThread(threading.Thread):
             if group is not None:
                 tensor_parallel.shard(model, group)
             self.model, self.runner = model, self._runner(model)
+            # After a first forward (the runner's probe of the vocabulary width), so MKL's
+            # threads and the kernels' pool exist to be pinned.
+            self.cores = self.pin_cores()
         except Exception as e:
             self.loop.call_soon_threadsafe(self.loaded.set_exception, e)
             return
@@ -82,6 +90,7 @@ class MlxThread(threading.Thread):
                     pipeline.flush()
                 else:
                     self.stats.maybe_report()
+                    self.repin()
                 continue
             self.watchdog.waiting(False)
             if batch is _STOP:
@@ -91,6 +100,30 @@ class MlxThread(threading.Thread):
             pipeline.launch(batch)
             if not batch.follows:  # nothing comes before its result: no wait for a next step
                 pipeline.flush()
+
+    def pin_cores(self) -> dict:
+        """A core of its own for MLX's stream thread (cpu/cores.py), where that applies;
+        returns the runner.cores log's fields."""
+        kernels, _ = load_kernels()
+        why = cores.why_not(self.shell.cfg, kernels)
+        plan = None if why else cores.plan(os.sched_getaffinity(0), self.shell.cfg.runners_here())
+        if plan is None:
+            return {"pinned": False, "reason": why or "one CPU"}
+        done = cores.pin(kernels, plan)
+        self._pinned = (done["stream_thread"], plan)
+        return {"pinned": True, "stream_core": plan.stream, "other_cores": sorted(plan.others),
+                **done}
+
+    def repin(self) -> None:
+        """Threads the stream thread made since pin_cores() (they inherit its core), moved
+        to the others: once per stats interval, while idle."""
+        now = time.perf_counter()
+        if self._pinned is None or now - self._repinned < self.stats.interval:
+            return
+        self._repinned = now
+        moved = cores.repin(*self._pinned)
+        if moved:
+            self.log.info("runner.cores_repinned", threads=moved)
 
     def reset(self) -> None:
         """The runner's memory may be half-updated: drop every row's state. With tensor
@@ -198,6 +231,7 @@ async def serve(shell: Shell) -> None:
     installed = mlx.runner.cpu
     shell.log.info("runner.blas", **installed.log_fields())
     shell.log.info("runner.weights", **installed.weights.log_fields())
+    shell.log.info("runner.cores", **mlx.cores)
     shell.log.info("runner.ready", max_running_requests=shell.cfg.scheduler.max_running_requests,
                    kv_slots=kv_capacity(shell.cfg, shell.model), why=shell.model.sizing or None,
                    # Whether decode forwards may run compiled (compiled_decode.py); a model

@@ -31,7 +31,9 @@
     filter_floor(logits, top_k, top_p, log_min_p, *, stream=None) -> mx.array
 
 They build lazy graph nodes evaluated on MLX's CPU stream. isa() / set_isa(name) report and
-force the instruction-set path; threads() / set_threads(n) the thread count.
+force the instruction-set path; threads() / set_threads(n) the thread count,
+set_worker_cpus(cpus) where the pool's workers run; stream_thread_id() (a node, int32 []) is the
+id of the thread the CPU stream runs on.
 """
 
 from __future__ import annotations
@@ -76,9 +78,11 @@ has_isa = _ext.has_isa
 threads = _ext.threads
 set_threads = _ext.set_threads
 set_compile_fusion = _ext.set_compile_fusion
+set_worker_cpus = _ext.set_worker_cpus
+stream_thread_id = _ext.stream_thread_id
 
 __all__ = ["affine_qmm", "argmax", "bf16_matmul", "categorical", "causal_conv",
            "decode_attention", "decode_layer_in", "decode_layer_out", "f32_matmul", "filter_floor", "gated_delta", "greedy_head",
            "greedy_head_quantized", "has_isa", "head_x_levels", "isa", "qhead_fast",
            "qhead_half_table", "rms_norm", "rope", "set_compile_fusion", "set_isa",
-           "set_threads", "silu", "softmax", "threads"]
+           "set_threads", "set_worker_cpus", "silu", "softmax", "stream_thread_id", "threads"]

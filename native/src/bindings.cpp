@@ -213,6 +213,12 @@ NB_MODULE(_ext, m) {
         mas::set_num_threads(n);
       },
       "n"_a, "Split products across n threads (the calling thread included).");
+  m.def("set_worker_cpus", &mas::set_worker_cpus, "cpus"_a,
+        "The CPUs the pool's worker threads run on, those made now and later (empty: wherever "
+        "the thread that makes them may). ValueError for a CPU number out of range.");
+  m.def("stream_thread_id", &mas::stream_thread_id, nb::kw_only(), "stream"_a = nb::none(),
+        "int32 []: the id (Linux gettid) of the thread the CPU stream runs its tasks on, once "
+        "evaluated.");
   m.def("_set_spin", &mas::set_spin_loops, "loops"_a,
         "Benchmark knob: pause loops (~35 ns each) an idle worker polls before sleeping.");
   // MLX's Python API can only turn compile on or off; the runner's compiled decode traces

@@ -7,6 +7,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <vector>
 
 namespace mas {
 
@@ -265,6 +266,8 @@ int num_threads();
 void set_num_threads(int n);  // n >= 1
 int default_num_threads();
 void set_spin_loops(int n);  // idle workers' polling before sleeping (benchmarks)
+// The CPUs the pool's workers run on, now and once made; empty: where their creator may.
+void set_worker_cpus(const std::vector<int>& cpus);
 
 // A 64-byte aligned buffer of at least `floats` floats owned by the calling thread; `slot`
 // picks one of a few independent buffers (0: prepared activations, 1: dequantized tiles, 2:

@@ -525,4 +525,18 @@ class DecodeLayerOut : public mx::UnaryPrimitive {
   int group_, bits_;
 };
 
+// The id (Linux gettid) of the thread the CPU stream runs its tasks on, int32 []
+// (stream_thread.cpp).
+mx::array stream_thread_id(mx::StreamOrDevice s = {});
+
+class StreamThreadId : public mx::UnaryPrimitive {
+ public:
+  explicit StreamThreadId(mx::Stream stream) : mx::UnaryPrimitive(stream) {}
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+  const char* name() const override { return "MasStreamThreadId"; }
+  // Never one node for two calls: each asks its own stream, at its own time.
+  bool is_equivalent(const mx::Primitive&) const override { return false; }
+};
+
 }  // namespace mas

@@ -21,6 +21,8 @@
 #include <cstdlib>
 #include <mutex>
 #include <new>
+#include <stdexcept>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -59,10 +61,24 @@ struct Job {
   std::atomic<int64_t> next{0};
 };
 
+// The CPUs the workers may run on (set_worker_cpus); empty: wherever their creator may.
+std::vector<int> g_worker_cpus;
+
+void pin_thread(std::thread& t, const std::vector<int>& cpus) {
+  if (cpus.empty()) return;
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  for (int c : cpus) CPU_SET(c, &set);
+  pthread_setaffinity_np(t.native_handle(), sizeof(set), &set);
+}
+
 struct Pool {
   explicit Pool(int nworkers) {
     for (int i = 0; i < nworkers; ++i) {
       threads.emplace_back([this] { work(0); });  // gen is 0 until the first job
+      // A new thread runs where its creator may: the pool is made by the first caller with
+      // two tasks, MLX's stream thread, which the runner may have pinned to a core of its own.
+      pin_thread(threads.back(), g_worker_cpus);
     }
   }
 
@@ -164,6 +180,18 @@ int default_num_threads() {
 }
 
 void set_spin_loops(int n) { g_spin_loops.store(n < 0 ? 0 : n); }
+
+void set_worker_cpus(const std::vector<int>& cpus) {
+  std::lock_guard<std::mutex> lock(g_config);
+  for (int c : cpus) {
+    if (c < 0 || c >= CPU_SETSIZE) {
+      throw std::invalid_argument("set_worker_cpus: there is no CPU " + std::to_string(c));
+    }
+  }
+  g_worker_cpus = cpus;
+  if (g_pool == nullptr) return;
+  for (auto& t : g_pool->threads) pin_thread(t, cpus);
+}
 
 int num_threads() {
   std::lock_guard<std::mutex> lock(g_config);

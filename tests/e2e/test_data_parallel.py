@@ -51,6 +51,9 @@ def test_dp2_spreads_requests_keeps_tokens_and_routes_prefixes(model_cache):
         ids = oracle.tokenizer.encode(SHARED + text)
         oracle.check(ids, reply.token_ids, oracle.greedy(ids, NEW))
 
+    # Two runner processes on one machine already split its cores: neither pins (cores.py).
+    pinned = [r for r in g.records if r.get("event") == "runner.cores"]
+    assert len(pinned) == 2 and not any(r["pinned"] for r in pinned)
     received = {r["rid"]: r for r in g.records if r.get("event") == "request.received"}
     assert {r["replica"] for r in received.values()} == {0, 1}  # spread over both
     # Every scheduler record says its replica, and each request ran where it was routed.
