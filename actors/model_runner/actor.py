@@ -109,7 +109,10 @@ class MlxThread(threading.Thread):
         plan = None if why else cores.plan(os.sched_getaffinity(0), self.shell.cfg.runners_here())
         if plan is None:
             return {"pinned": False, "reason": why or "one CPU"}
-        done = cores.pin(kernels, plan)
+        try:
+            done = cores.pin(kernels, plan)
+        except Exception as e:  # noqa: BLE001 - never fatal: the runner serves unpinned
+            return {"pinned": False, "reason": f"pinning failed: {e!r}"}
         self._pinned = (done["stream_thread"], plan)
         return {"pinned": True, "stream_core": plan.stream, "other_cores": sorted(plan.others),
                 **done}
@@ -121,7 +124,12 @@ class MlxThread(threading.Thread):
         if self._pinned is None or now - self._repinned < self.stats.interval:
             return
         self._repinned = now
-        moved = cores.repin(*self._pinned)
+        try:
+            moved = cores.repin(*self._pinned)
+        except Exception as e:  # noqa: BLE001 - an exception here would end the MLX thread
+            self.log.warning("runner.cores_repin_failed", error=repr(e))
+            self._pinned = None
+            return
         if moved:
             self.log.info("runner.cores_repinned", threads=moved)
 
