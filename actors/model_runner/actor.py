@@ -9,6 +9,7 @@ import os
 import queue
 import threading
 import time
+import traceback
 
 import mlx.core as mx
 
@@ -75,6 +76,25 @@ class MlxThread(threading.Thread):
             self.loop.call_soon_threadsafe(self.loaded.set_exception, e)
             return
         self.loop.call_soon_threadsafe(self.loaded.set_result, None)
+        self.serve_or_die()
+
+    def serve_or_die(self) -> None:
+        """serve_steps(); if it raises, the actor dies."""
+        try:
+            self.serve_steps()
+        except Exception as e:  # noqa: BLE001 - see below
+            # What the loop itself raises, outside a step (the pipeline turns a step's failure
+            # into an error result): rebuilding the runner after a failed step, say. A thread
+            # that ended quietly would leave every request waiting on a graph that looks up:
+            # the actor dies instead, and the launcher stops the graph saying why.
+            self.log.error("runner.mlx_thread_failed", error=repr(e),
+                           traceback="".join(traceback.format_exception(e)))
+            message = f"the MLX thread failed: {e!r}"
+            self.loop.call_soon_threadsafe(
+                lambda: asyncio.ensure_future(die(self.shell, message)))
+
+    def serve_steps(self) -> None:
+        """Run the batches the inbox brings until _STOP."""
         self.stats = Utilisation(self.log, self.shell.cfg.log.stats_interval_s)
         # With overlap the scheduler sends step N+1 before it has step N's result: wait that
         # long for it before reading step N back, so N+1 is built while N computes.
