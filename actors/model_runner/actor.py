@@ -126,9 +126,10 @@ class MlxThread(threading.Thread):
         returns the runner.cores log's fields."""
         kernels, _ = load_kernels()
         why = cores.why_not(self.shell.cfg, kernels)
-        plan = None if why else cores.plan(os.sched_getaffinity(0), self.shell.cfg.runners_here())
-        if plan is None:
-            return {"pinned": False, "reason": why or "one CPU"}
+        if why:
+            return {"pinned": False, "reason": why}
+        # why_not checked what plan() needs (one runner process here, two CPUs or more).
+        plan = cores.plan(os.sched_getaffinity(0), self.shell.cfg.runners_here())
         try:
             done = cores.pin(kernels, plan)
         except Exception as e:  # noqa: BLE001 - never fatal: the runner serves unpinned

@@ -7,9 +7,10 @@ The real scheduler core and the real runner core, with no sockets, in the order 
 actor's overlap loop uses: schedule step N+1 and launch it, finishing step N (reading its
 tokens back, handing the result to the scheduler) where the launch first waits on MLX values
 (pipeline.before_host_sync: on the CPU, before it queues the step, except a plain decode step
-of a compiled attention-only model, runner.early_queue), else right after the launch. `launch` excludes that finish. Each part is timed per decode step of the full
-batch (the median over the steps after a warm-up), beside benchmarks/kernels/forward.py's bare
-pipelined loop at the same batch. Run with the decode forward compiled and eager. `queue` is
+of a compiled attention-only model, runner.early_queue), else right after the launch.
+`launch` excludes that finish. Each part is timed per decode step of the full batch (the
+median over the steps after a warm-up), beside benchmarks/kernels/forward.py's bare pipelined
+loop at the same batch. Run with the decode forward compiled and eager. `queue` is
 the part of `launch` spent inside mx.async_eval (MLX queueing, and on the CPU computing, the
 graph); the rest of `launch` is Python building it.
 

@@ -32,6 +32,10 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
+import mlx.core as mx
+
+from actors.titles import children, title
+
 
 @dataclass(frozen=True)
 class Cores:
@@ -53,8 +57,6 @@ def why_not(cfg: Any, kernels: Any) -> str | None:
         return "runtime.pin_stream is off"
     if not sys.platform.startswith("linux") or not hasattr(os, "sched_setaffinity"):
         return "thread affinity is Linux's"
-    import mlx.core as mx
-
     if mx.default_device() != mx.cpu:
         return "MLX runs on the GPU"
     if kernels is None or not hasattr(kernels, "stream_thread_id"):
@@ -69,8 +71,6 @@ def why_not(cfg: Any, kernels: Any) -> str | None:
 def stream_thread(kernels: Any) -> int:
     """The id of the thread MLX's default CPU stream runs on (call on the runner's MLX
     thread)."""
-    import mlx.core as mx
-
     tid = kernels.stream_thread_id()
     mx.eval(tid)
     return int(tid.item())
@@ -78,22 +78,16 @@ def stream_thread(kernels: Any) -> int:
 
 def pin(kernels: Any, cores: Cores) -> dict[str, int]:
     """Pin as the module says; returns what was pinned, for the runner's log."""
-    import mlx.core as mx
-
     # Thread counts come from the CPUs the first caller may use: fixed now, before that
     # caller (the stream thread) may use one. The kernels' pool is made lazily; MKL sizes its
     # team at its first threaded call, which a product of this size is.
     kernels.set_threads(kernels.threads())
     mx.eval(mx.ones((256, 512)) @ mx.ones((512, 256)))
     stream = stream_thread(kernels)
-    others = set(cores.others)
-    kernels.set_worker_cpus(sorted(others))
+    kernels.set_worker_cpus(sorted(cores.others))
     os.sched_setaffinity(stream, {cores.stream})
-    threads = _pin_threads(os.getpid(), others, skip=stream)
-    actors = 0
-    for pid in _siblings():
-        if _pin_threads(pid, others):
-            actors += 1
+    threads = _pin_threads(os.getpid(), cores.others, skip=stream)
+    actors = sum(1 for pid in _siblings() if _pin_threads(pid, cores.others))
     return {"stream_thread": stream, "threads": threads, "actors": actors}
 
 
@@ -101,17 +95,7 @@ def repin(stream: int, cores: Cores) -> int:
     """Every thread of this process but the stream thread that may run on the stream's core
     (after pin(), those the stream thread made since: they inherit its core), moved to the
     others; returns how many."""
-    moved = 0
-    for tid in _threads(os.getpid()):
-        if tid == stream:
-            continue
-        try:
-            if cores.stream in os.sched_getaffinity(tid):
-                os.sched_setaffinity(tid, cores.others)
-                moved += 1
-        except OSError:  # gone since listed
-            pass
-    return moved
+    return _pin_threads(os.getpid(), cores.others, skip=stream, only_on=cores.stream)
 
 
 def _threads(pid: int) -> list[int]:
@@ -121,36 +105,26 @@ def _threads(pid: int) -> list[int]:
         return []
 
 
-def _pin_threads(pid: int, cpus: set[int], skip: int | None = None) -> int:
+def _pin_threads(pid: int, cpus: frozenset[int], skip: int | None = None,
+                 only_on: int | None = None) -> int:
+    """The threads of `pid` but `skip` (those that may run on CPU `only_on`, if given) moved
+    to `cpus`; returns how many."""
     pinned = 0
     for tid in _threads(pid):
         if tid == skip:
             continue
         try:
-            os.sched_setaffinity(tid, cpus)
-            pinned += 1
+            if only_on is None or only_on in os.sched_getaffinity(tid):
+                os.sched_setaffinity(tid, cpus)
+                pinned += 1
         except OSError:  # gone since listed, or not ours
             pass
     return pinned
 
 
-def _name(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/comm") as f:
-            return f.read().strip()
-    except OSError:
-        return ""
-
-
 def _siblings() -> list[int]:
     """The other actor processes: the launcher (the parent) and its other children, those
-    named mas-* (actors/titles.py), so a test or tool that started the runner is left alone."""
+    titled mas-* (actors/titles.py), so a test or tool that started the runner is left
+    alone."""
     parent, me = os.getppid(), os.getpid()
-    found = [parent] if _name(parent).startswith("mas-") else []
-    try:
-        with open(f"/proc/{parent}/task/{parent}/children") as f:
-            children = [int(p) for p in f.read().split()]
-    except OSError:
-        children = []
-    found += [p for p in children if p != me and _name(p).startswith("mas-")]
-    return found
+    return [p for p in [parent, *children(parent)] if p != me and title(p).startswith("mas-")]
