@@ -46,17 +46,22 @@ class ModelSpec:
     residual_gain: float = 4.0  # std of the projections that write the residual stream, x 1/sqrt(fan_in)
     qk_norm: float = 2.0  # q_norm/k_norm weight; attention logits scale with its square
     logit_std: float = 8.0  # sets the final RMSNorm weight: logit std ~ weight * embed_std * sqrt(hidden)
+    # The end-of-turn token's embedding row (tied: also its logit row) times this: above 1,
+    # replies end by themselves after a few tokens, as a chat model's do (4: ~1 in 9 tokens).
+    end_gain: float = 1.0
 
 
 _QWEN3_5_ROPE = {"rope_type": "default", "rope_theta": 10_000_000.0, "partial_rotary_factor": 0.25}
 
+# qwen3-tiny (the tests' model) and qwen3-small (the default) take Qwen3's own context, 40960
+# tokens: a coding agent's first prompt alone is 15-30k.
 BUILTINS: dict[str, ModelSpec] = {
     "qwen3-tiny": ModelSpec(
         vocab="qwen3",
         config=dict(
             model_type="qwen3", hidden_size=64, intermediate_size=192, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=151936,
-            max_position_embeddings=4096, rope_theta=1_000_000.0, tie_word_embeddings=True,
+            max_position_embeddings=40960, rope_theta=1_000_000.0, tie_word_embeddings=True,
         ),
     ),
     "qwen3-small": ModelSpec(
@@ -64,8 +69,19 @@ BUILTINS: dict[str, ModelSpec] = {
         config=dict(
             model_type="qwen3", hidden_size=512, intermediate_size=1536, num_hidden_layers=8,
             num_attention_heads=8, num_key_value_heads=4, head_dim=64, vocab_size=151936,
-            max_position_embeddings=8192, rope_theta=1_000_000.0, tie_word_embeddings=True,
+            max_position_embeddings=40960, rope_theta=1_000_000.0, tie_word_embeddings=True,
         ),
+    ),
+    # qwen3-tiny whose replies end by themselves (the end-of-turn token likely after a few
+    # tokens): the model agents' tests drive, whose clients wait for a reply to end.
+    "qwen3-chat-tiny": ModelSpec(
+        vocab="qwen3",
+        config=dict(
+            model_type="qwen3", hidden_size=64, intermediate_size=192, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=151936,
+            max_position_embeddings=40960, rope_theta=1_000_000.0, tie_word_embeddings=True,
+        ),
+        end_gain=4.0,
     ),
     # Layers 0-2 are gated-delta-net (linear attention), layer 3 full attention, as in real Qwen3.5.
     "qwen3_5-tiny": ModelSpec(
@@ -352,7 +368,9 @@ def init_weight(path: str, shape: tuple[int, ...], spec: ModelSpec, seed: int) -
     if path.endswith("norm.weight"):
         return np.full(shape, 1.0 - offset, np.float32)
     if leaf == "embed_tokens":
-        return spec.embed_std * rng.standard_normal(shape, np.float32)
+        table = spec.embed_std * rng.standard_normal(shape, np.float32)
+        table[VOCABS[spec.vocab].special_ids()["<|im_end|>"]] *= spec.end_gain
+        return table
     if path.endswith("A_log"):  # gated-delta decay rates: log(U[1, 16]), the range real models use
         return np.log(rng.uniform(1.0, 16.0, shape)).astype(np.float32)
     if path.endswith("dt_bias"):

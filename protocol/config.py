@@ -24,7 +24,7 @@ class Section(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=T
 
 
 # The built-ins (models/builtin.py) and their format variants (models/formats.py).
-BUILTIN_NAME = (r"^(qwen3-tiny|qwen3-small|qwen3_5-tiny|qwen3_5-small|gemma3-tiny)"
+BUILTIN_NAME = (r"^(qwen3-tiny|qwen3-small|qwen3-chat-tiny|qwen3_5-tiny|qwen3_5-small|gemma3-tiny)"
                 r"(-[234568]bit(-g(32|64|128))?|-(mxfp4|mxfp8)(-g32)?|-nvfp4(-g16)?)?"
                 r"(-(bf16|fp16))?$")
 
@@ -60,9 +60,14 @@ class ServerConfig(Section):
     # A request naming a model other than model.name: false serves it anyway (clients set up
     # for another provider keep working); true answers 404 model_not_found, as vLLM does.
     strict_model_name: bool = False
-    # When set, every HTTP route but /health needs "Authorization: Bearer KEY", and every ZMQ
-    # request its api_key field (Client(api_key=...), mas-client --api-key).
+    # When set, every HTTP route but /health needs "Authorization: Bearer KEY" (or Anthropic's
+    # "x-api-key: KEY"), and every ZMQ request its api_key field (Client(api_key=...),
+    # mas-client --api-key).
     api_key: str = ""
+    # /v1/responses with store (its default): responses kept for previous_response_id and
+    # GET /v1/responses/{id}, least recently used dropped past either bound.
+    response_store_items: Annotated[int, Meta(ge=0)] = 1024
+    response_store_mib: Annotated[int, Meta(ge=0)] = 64
     # /health with no step finished in the last health_recent_s seconds sends a one-token
     # probe request through all four actors; 503 unless it is answered within
     # health_timeout_s seconds.
@@ -298,6 +303,9 @@ class LimitsConfig(Section):
     # A constraint (json_schema, regex, ebnf, structural_tag) must compile within this long,
     # or the request is refused naming it.
     grammar_timeout_s: Seconds = 10.0
+    # Output tokens of any one request (a client asking more gets this many, finish reason
+    # length); 0: up to what the model's context leaves. Agents ask 32k and more by default.
+    max_output_tokens: Annotated[int, Meta(ge=0)] = 0
 
 
 class LogConfig(Section):

@@ -74,6 +74,8 @@ class ChatMessage(msgspec.Struct, frozen=True, gc=False, omit_defaults=True):
     tool_calls: list[dict[str, Any]] = []
     tool_call_id: str = ""
     name: str = ""
+    # An assistant turn's reasoning sent back (Qwen3's templates show it within a tool loop).
+    reasoning_content: str = ""
 
 
 class GenerateRequest(ClientWire, tag=_tag("GenerateRequest")):
@@ -123,6 +125,9 @@ class GenerateRequest(ClientWire, tag=_tag("GenerateRequest")):
     # Functions the model may call ([{"type": "function", "function": {"name", "description",
     # "parameters"}}]), shown to it by the chat template (with messages).
     tools: list[dict[str, Any]] = []
+    # A conversation's id (an agent's session): with scheduler.dp > 1 its requests stay on one
+    # replica, whose prefix cache holds the turns before.
+    session: str = ""
 
 
 class AbortRequest(ClientWire, tag=_tag("AbortRequest")):

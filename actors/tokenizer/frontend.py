@@ -172,10 +172,14 @@ class Frontend:
         rid = f"{self._prefix}-{next(self._ids)}"
         group = f"{identity.hex()}/{req.group}" if req.group else ""
         # Encoded before the request is registered: nothing after this line can fail.
-        data = encode(m.TokenizedRequest(rid=rid, input_ids=pack_ids(ids),
-                                         params=sampling_params(req, *constraint),
+        params = sampling_params(req, *constraint)
+        cap = self.limits.max_output_tokens
+        if cap and params.max_new_tokens > cap:
+            params = msgspec.structs.replace(
+                params, max_new_tokens=cap, min_new_tokens=min(params.min_new_tokens, cap))
+        data = encode(m.TokenizedRequest(rid=rid, input_ids=pack_ids(ids), params=params,
                                          group=group))
-        route = self.router.route(ids, group)
+        route = self.router.route(ids, group, req.session)
         self.open[rid] = Open(rid, identity, req.req_id, req.stream, len(ids), now,
                               replica=route.replica, group=group,
                               prompt=self._prompt(req, ids),

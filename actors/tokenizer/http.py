@@ -5,6 +5,7 @@ replies come back on a queue per HTTP request instead of the ROUTER socket."""
 from __future__ import annotations
 
 import asyncio
+import hmac
 import time
 import uuid
 from typing import Any, AsyncIterator, Callable, Protocol
@@ -16,7 +17,12 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
+from actors.tokenizer.anthropic_format import parse_count, parse_messages
+from actors.tokenizer.anthropic_replies import MessageWriter
+from actors.tokenizer.anthropic_replies import error_body as anthropic_error_body
 from actors.tokenizer.chat_output import ChatOutput, finish_reason
+from actors.tokenizer.http_relay import peer, relay
+from actors.tokenizer.responses_api import responses_routes
 from actors.tokenizer.event_stream import EventStream, disconnected, raw_send_app
 from actors.tokenizer.intake import RequestError
 from actors.tokenizer.openai_format import (error_body, parse_chat, parse_completion,
@@ -45,27 +51,35 @@ class Bridge(Protocol):
     def internal_error(self) -> None: ...
     def server_info(self) -> dict[str, Any]: ...
     def tokenize(self, req: m.GenerateRequest) -> list[int]: ...
+    def prompt_tokens(self, req_id: str) -> int: ...
+    store_items: int  # the response store's bounds (server.response_store_*)
+    store_bytes: int
 
 
 def build_app(bridge: Bridge) -> Any:
-    def guarded(handler: Callable) -> Callable:
+    def guarded(handler: Callable, shape: Callable[..., JSONResponse] = None) -> Callable:
+        """The route with the API key checked and every failure answered in its API's shape
+        (OpenAI's by default)."""
+        answer = shape or _error
+
         async def route(request: Request) -> Response:
-            if bridge.api_key and request.headers.get("authorization") != f"Bearer {bridge.api_key}":
-                return _error(401, "invalid or missing API key (Authorization: Bearer ...)")
+            if bridge.api_key and not _authorized(request, bridge.api_key):
+                return answer(401, "invalid or missing API key (Authorization: Bearer ... or "
+                              "x-api-key)")
             try:
                 return await handler(request)
             except RequestError as e:
                 if not e.logged:
                     structlog.get_logger().warning("http.rejected", path=request.url.path,
-                                                   peer=_peer(request), code=e.code,
+                                                   peer=peer(request), code=e.code,
                                                    error=e.message[:300])
-                return _error(e.code, e.message, e.param)
+                return answer(e.code, e.message, e.param)
             except Exception as e:  # a bug: the request fails alone, counted, logged
                 bridge.internal_error()
                 structlog.get_logger().warning("http.internal_error", path=request.url.path,
-                                               peer=_peer(request), error=repr(e)[:300],
+                                               peer=peer(request), error=repr(e)[:300],
                                                exc_info=True)
-                return _error(500, f"internal error: {type(e).__name__}")
+                return answer(500, f"internal error: {type(e).__name__}")
         return route
 
     def check_model(opts: dict[str, Any]) -> None:
@@ -88,6 +102,17 @@ def build_app(bridge: Bridge) -> Any:
         check_model(opts)
         opts["token_text"] = bridge.token_text
         return await _serve(bridge, request, reqs, opts, chat=True)
+
+    async def messages(request: Request) -> Response:
+        req, opts = parse_messages(await _body(request, bridge.limits), bridge.limits,
+                                   session=_session(request))
+        check_model(opts)
+        writer = MessageWriter(bridge.model_name, opts["tools"], opts["omit_thinking"])
+        return await relay(bridge, request, req, writer)
+
+    async def count_tokens(request: Request) -> Response:
+        req = parse_count(await _body(request, bridge.limits), bridge.limits)
+        return JSONResponse({"input_tokens": len(bridge.tokenize(req))})
 
     async def models(request: Request) -> Response:
         return JSONResponse({"object": "list", "data": [
@@ -113,6 +138,10 @@ def build_app(bridge: Bridge) -> Any:
     return raw_send_app(Starlette(routes=[
         Route("/v1/completions", guarded(completions), methods=["POST"]),
         Route("/v1/chat/completions", guarded(chat), methods=["POST"]),
+        Route("/v1/messages", guarded(messages, _anthropic_error), methods=["POST"]),
+        Route("/v1/messages/count_tokens", guarded(count_tokens, _anthropic_error),
+              methods=["POST"]),
+        *responses_routes(bridge, guarded, _body, _session, check_model),
         Route("/v1/models", guarded(models), methods=["GET"]),
         Route("/metrics", guarded(metrics), methods=["GET"]),
         Route("/server_info", guarded(server_info), methods=["GET"]),
@@ -138,12 +167,26 @@ async def _body(request: Request, limits: LimitsConfig) -> bytes:
     return b"".join(chunks)
 
 
-def _peer(request: Request) -> str:
-    return f"{request.client.host}:{request.client.port}" if request.client else ""
+def _authorized(request: Request, key: str) -> bool:
+    """OpenAI's clients send the key as a bearer token, Anthropic's as x-api-key."""
+    return hmac.compare_digest(request.headers.get("authorization", ""), f"Bearer {key}") or \
+        hmac.compare_digest(request.headers.get("x-api-key", ""), key)
+
+
+# Headers that name an agent's session (Claude Code's, Codex's, a generic one).
+SESSION_HEADERS = ("x-claude-code-session-id", "session-id", "x-session-id")
+
+
+def _session(request: Request) -> str:
+    return next((v for h in SESSION_HEADERS if (v := request.headers.get(h))), "")[:256]
 
 
 def _error(status: int, message: str, param: str | None = None) -> JSONResponse:
     return JSONResponse(error_body(status, message, param), status_code=status)
+
+
+def _anthropic_error(status: int, message: str, param: str | None = None) -> JSONResponse:
+    return JSONResponse(anthropic_error_body(status, message), status_code=status)
 
 
 async def _serve(bridge: Bridge, request: Request, reqs: list[m.GenerateRequest],
@@ -152,7 +195,7 @@ async def _serve(bridge: Bridge, request: Request, reqs: list[m.GenerateRequest]
     queue: asyncio.Queue = asyncio.Queue()
     index = {r.req_id: k for k, r in enumerate(reqs)}
     for r in reqs:
-        bridge.submit(r, queue, _peer(request))
+        bridge.submit(r, queue, peer(request))
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
     created = int(time.time())
     # Until the reply starts, a client that leaves (during a long prefill, say) is found by

@@ -49,6 +49,7 @@ class HttpFront:
         self.context_length = actor.shell.model.context_length
         self.api_key = cfg.api_key
         self.limits = actor.shell.cfg.limits
+        self.store_items, self.store_bytes = cfg.response_store_items, cfg.response_store_mib << 20
         self.health_timeout_s = cfg.health_timeout_s
         # A step answered this recently proves every actor alive; older, /health probes.
         self.health_recent_s = cfg.health_recent_s
@@ -131,6 +132,11 @@ class HttpFront:
 
     def tokenize(self, req: m.GenerateRequest) -> list[int]:
         return self.front.tokenize(req)
+
+    def prompt_tokens(self, req_id: str) -> int:
+        """An open HTTP request's prompt tokens (0 once it ended or if it was refused)."""
+        rid = self.front.by_client.get((HTTP_CLIENT, req_id))
+        return self.front.open[rid].prompt_tokens if rid in self.front.open else 0
 
     def metrics(self) -> str:
         cfg = self.actor.shell.cfg

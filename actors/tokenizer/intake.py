@@ -85,7 +85,7 @@ def check_request(req: m.GenerateRequest, limits: LimitsConfig) -> None:
     free-form values. Both APIs call it on the GenerateRequest they built."""
     _check_strings([("req_id", req.req_id), ("prompt", req.prompt), ("group", req.group),
                     ("json_schema", req.json_schema), ("regex", req.regex), ("ebnf", req.ebnf),
-                    ("structural_tag", req.structural_tag),
+                    ("structural_tag", req.structural_tag), ("session", req.session),
                     *(("stop", s) for s in req.stop),
                     *(("messages", c.role) for c in req.messages),
                     *(("messages", c.content) for c in req.messages)], limits)
@@ -101,7 +101,8 @@ def check_request(req: m.GenerateRequest, limits: LimitsConfig) -> None:
     check_value("tools", req.tools, limits)
     for msg in req.messages:
         check_value("messages", msg.tool_calls, limits)
-        _check_strings([("messages", msg.tool_call_id), ("messages", msg.name)], limits)
+        _check_strings([("messages", msg.tool_call_id), ("messages", msg.name),
+                        ("messages", msg.reasoning_content)], limits)
 
 
 def check_value(name: str, value: Any, limits: LimitsConfig, depth: int = 1) -> None:

@@ -119,7 +119,7 @@ class ChatMessageBody(msgspec.Struct):
     tool_calls: list[dict[str, Any]] | None = None
     tool_call_id: str | None = None
     name: str | None = None
-    reasoning_content: str | None = None  # an earlier reply's, sent back: not shown again
+    reasoning_content: str | None = None  # an earlier reply's, sent back (for the template)
 
 
 class FunctionBody(msgspec.Struct):
@@ -264,12 +264,19 @@ def _content(msg: ChatMessageBody) -> str:
 
 
 def parse_chat(raw: bytes, limits: LimitsConfig) -> tuple[list[m.GenerateRequest], dict]:
-    c = decode_body(raw, ChatBody, limits)
+    return chat_requests(decode_body(raw, ChatBody, limits))
+
+
+def chat_requests(c: ChatBody, session: str = "",
+                  names: dict[str, str] | None = None) -> tuple[list[m.GenerateRequest], dict]:
+    """A chat body's requests: the one path every chat-shaped API (chat completions, Anthropic
+    messages, OpenAI responses) takes to the graph, so one conversation gives one prompt.
+    names: GenerateRequest's fields -> the caller's API fields, for error messages."""
     messages = _messages(c.messages)
     if not messages:
         raise RequestError("messages must not be empty", param="messages")
-    names = dict(_CHAT_NAMES, max_new_tokens="max_completion_tokens"
-                 if c.max_completion_tokens is not None else "max_tokens")
+    names = names or dict(_CHAT_NAMES, max_new_tokens="max_completion_tokens"
+                          if c.max_completion_tokens is not None else "max_tokens")
     max_new = next((v for v in (c.max_completion_tokens, c.max_tokens) if v is not None), 4096)
     prompt: dict[str, Any] = {"messages": messages,
                               "chat_template_kwargs": c.chat_template_kwargs or {}}
@@ -283,6 +290,8 @@ def parse_chat(raw: bytes, limits: LimitsConfig) -> tuple[list[m.GenerateRequest
                                param="tool_choice")
         prompt["ebnf"] = tool_grammar(c.tools, None if choice == "required" else choice,
                                       c.parallel_tool_calls)
+    if session:
+        prompt["session"] = session
     reqs, opts = _requests(c, max_new, [prompt], c.logprobs, c.top_logprobs or 0, names)
     opts["tools"] = bool(c.tools) and choice != "none"
     return reqs, opts
@@ -353,4 +362,5 @@ def parse_tokenize(raw: bytes, limits: LimitsConfig) -> m.GenerateRequest:
 def _messages(bodies: list[ChatMessageBody]) -> list[m.ChatMessage]:
     return [m.ChatMessage(role=msg.role, content=_content(msg),
                           tool_calls=msg.tool_calls or [], tool_call_id=msg.tool_call_id or "",
-                          name=msg.name or "") for msg in bodies]
+                          name=msg.name or "", reasoning_content=msg.reasoning_content or "")
+            for msg in bodies]

@@ -28,7 +28,7 @@ CAPACITY = 1 << 18  # block prefixes remembered over all replicas (~30 MB)
 class Route:
     replica: int
     matched: int  # prompt tokens the chosen replica is believed to hold cached
-    reason: str  # "prefix", "group" or "load"
+    reason: str  # "prefix", "group", "session" or "load"
 
 
 @dataclass
@@ -41,15 +41,27 @@ class Router:
     routed: list[int] = field(init=False)  # requests sent to each replica, ever
     index: OrderedDict[int, int] = field(init=False, default_factory=OrderedDict)
     groups: dict[str, list[int]] = field(init=False, default_factory=dict)  # -> [replica, open]
+    sessions: OrderedDict[str, int] = field(init=False, default_factory=OrderedDict)
+    session_capacity: int = 1 << 16  # sessions remembered, least recently used dropped
     _next: int = field(init=False, default=0)  # where ties among the least loaded start
 
     def __post_init__(self) -> None:
         self.load = [0] * self.replicas
         self.routed = [0] * self.replicas
 
-    def route(self, ids: list[int], group: str = "") -> Route:
-        """Choose a replica for a prompt and count it open there until done()."""
-        chosen = self._choose(ids, group)
+    def route(self, ids: list[int], group: str = "", session: str = "") -> Route:
+        """Choose a replica for a prompt and count it open there until done(). A session's
+        requests (an agent's turns) go where its first went, whatever the load: its prefix
+        cache holds the conversation so far."""
+        if self.replicas > 1 and session in self.sessions:
+            chosen = Route(self.sessions[session], 0, "session")
+            self.sessions.move_to_end(session)
+        else:
+            chosen = self._choose(ids, group)
+            if self.replicas > 1 and session:
+                self.sessions[session] = chosen.replica
+                while len(self.sessions) > self.session_capacity:
+                    self.sessions.popitem(last=False)
         self.load[chosen.replica] += 1
         self.routed[chosen.replica] += 1
         return chosen

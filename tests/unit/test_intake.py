@@ -120,3 +120,15 @@ def test_a_refusal_echoes_the_req_id_however_long():
     [(_, reply)] = frontend().on_client(frame(req_id=long_id, prompt="hi", temperature=-1.0),
                                         0.0)[0]
     assert isinstance(reply, m.ErrorReply) and reply.req_id == long_id
+
+
+@pytest.mark.parametrize("asked,cap,sent", [(500, 16, 16), (8, 16, 8), (500, 0, 500)])
+def test_limits_max_output_tokens_caps_what_a_request_may_ask(asked, cap, sent):
+    """An agent asks 32000 output tokens by default: the server's cap holds (0: none)."""
+    front = Frontend(FakeTokenizer(), MODEL,
+                     limits=LimitsConfig(max_output_tokens=cap))
+    _, [(_, data)] = front.on_client(frame(prompt="hi", max_new_tokens=asked,
+                                           min_new_tokens=min(asked, 12)), 0.0)
+    params = msgspec.msgpack.decode(data, type=m.SchedulerInbox).params
+    assert params.max_new_tokens == sent
+    assert params.min_new_tokens == min(asked, 12, sent)

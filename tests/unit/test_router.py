@@ -80,3 +80,29 @@ def test_metrics_sum_the_replicas_and_list_each():
     assert 'mas:replica_requests_total{model_name="m",replica="1"} 6' in text
     assert 'mas:replica_requests_running{model_name="m",replica="0"} 3' in text
     assert "replica=" not in Metrics().render("m", open_requests=0, routed=[4])
+
+
+def test_a_session_stays_on_its_replica_however_busy():
+    """An agent's turns go where its first turn went (its prefix cache holds the
+    conversation), even past the slack that moves other cache hits elsewhere."""
+    r = Router(2, slack=0)
+    first = r.route(prompt(1), session="agent-a")
+    r.load[first.replica] += 4  # its replica grows much busier than the other
+    again = r.route(prompt(2), session="agent-a")
+    assert again.replica == first.replica and again.reason == "session"
+    other = r.route(prompt(3), session="agent-b")  # a new session: the least loaded
+    assert other.replica != first.replica and other.reason == "load"
+
+
+def test_sessions_are_forgotten_least_recently_used_first():
+    r = Router(2, session_capacity=2)
+    for name in ("a", "b"):
+        r.route(prompt(ord(name)), session=name)
+    r.route(prompt(1), session="a")  # a is now the most recent
+    r.route(prompt(2), session="c")
+    assert list(r.sessions) == ["a", "c"]
+
+
+def test_one_replica_keeps_no_sessions():
+    r = Router(1)
+    assert r.route(prompt(1), session="a").replica == 0 and not r.sessions
