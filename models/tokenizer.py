@@ -64,11 +64,18 @@ class TextTokenizer:
             return self._fast.decode(ids, skip_special_tokens=False)
         return self.hf.decode(ids)
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], **kwargs: Any) -> list[int]:
-        """Render a conversation and tokenize it, ending with the assistant's turn opened."""
+    def apply_chat_template(self, messages: list[dict[str, Any]],
+                            continue_final_message: bool = False, **kwargs: Any) -> list[int]:
+        """Render a conversation and tokenize it, ending with the assistant's turn opened.
+        continue_final_message (vLLM's name; Anthropic's assistant prefill): a final assistant
+        message is the start of the reply, which goes on from its last character."""
         if self.template is None:
             raise ValueError("this model's tokenizer has no chat template")
-        text = self.template.render(messages, **kwargs)
+        start = ""
+        if continue_final_message and messages and messages[-1].get("role") == "assistant":
+            *messages, last = messages
+            start = last.get("content") or ""
+        text = self.template.render(messages, **kwargs) + start
         # The template already holds any BOS the model wants.
         return self.encode(text, add_special_tokens=False)
 

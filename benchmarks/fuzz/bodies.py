@@ -2,7 +2,8 @@
 /v1/chat/completions bodies drawn from the OpenAI body schemas (actors/tokenizer/openai_format.py),
 their ranges checked against the wire schema's (GenerateRequest) and OpenAI's documented ones;
 chat content parts of every type; bodies wrong as a whole (not JSON, not an object, nested
-100,000 deep, not UTF-8, lone surrogates, megabytes long); byte mutations of valid bodies."""
+100,000 deep, not UTF-8, lone surrogates, megabytes long), on the agents' /v1/messages and
+/v1/responses too; byte mutations of valid bodies."""
 
 from __future__ import annotations
 
@@ -162,7 +163,9 @@ class Bodies(Values):
 
     def whole(self) -> st.SearchStrategy[Draft]:
         """Bodies that are wrong as a whole: not JSON, not an object, deep, not UTF-8, huge."""
-        path = st.sampled_from(["/v1/completions", "/v1/chat/completions"])
+        # The agents' endpoints take the same wholly wrong bodies.
+        path = st.sampled_from(["/v1/completions", "/v1/chat/completions", "/v1/messages",
+                                "/v1/responses"])
         ok_body = to_json({"prompt": "hi", "max_tokens": 2})
 
         def raw(kind: str, verdict: str, note: str, data: bytes, p: str) -> Draft:
@@ -170,12 +173,16 @@ class Bodies(Values):
 
         def huge(size: int, p: str) -> Draft:
             text = ("stone river " * (size // 12 + 1))[:size]
-            key = "messages" if "chat" in p else "prompt"
+            key = "prompt" if p == "/v1/completions" else "messages"
             value = [{"role": "user", "content": text}] if key == "messages" else text
             count = self.count_tokens(text)
             verdict = BAD if count >= self.context else OK if count + 64 < self.context else ANY
-            return raw("huge", verdict, f"{key} of {size} chars",
-                       to_json({key: value, "max_tokens": 2}), p)
+            body = {key: value, "max_tokens": 2}
+            if p == "/v1/messages":
+                body["model"] = "any"
+            elif p == "/v1/responses":
+                body = {"input": text, "max_output_tokens": 2}
+            return raw("huge", verdict, f"{key} of {size} chars", to_json(body), p)
 
         return st.one_of(
             st.builds(lambda b, p: raw("not_json", BAD, "random bytes", b, p),

@@ -137,3 +137,15 @@ def test_a_template_cannot_reach_python_internals(folder):
     (folder / "chat_template.jinja").write_text("{{ messages.__class__.__mro__ }}")
     with pytest.raises(Exception, match="unsafe|access"):
         load_tokenizer(str(folder)).apply_chat_template(MESSAGES)
+
+
+def test_continue_final_message_goes_on_from_the_assistants_text(folder):
+    """Anthropic's assistant prefill (vLLM's continue_final_message): the prompt ends with
+    the final assistant message's text, not with that turn closed and a new one opened."""
+    tok = load_tokenizer(str(folder))
+    turns = [*MESSAGES, {"role": "assistant", "content": "The answer is"}]
+    opened = tok.apply_chat_template(MESSAGES)
+    continued = tok.apply_chat_template(turns, continue_final_message=True)
+    assert tok.decode(continued) == tok.decode(opened) + "The answer is"
+    closed = tok.decode(tok.apply_chat_template(turns))
+    assert closed.count("<|im_start|>assistant") == 2  # without it: a turn closed, one opened

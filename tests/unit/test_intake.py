@@ -132,3 +132,20 @@ def test_limits_max_output_tokens_caps_what_a_request_may_ask(asked, cap, sent):
     params = msgspec.msgpack.decode(data, type=m.SchedulerInbox).params
     assert params.max_new_tokens == sent
     assert params.min_new_tokens == min(asked, 12, sent)
+
+
+def test_a_session_routes_every_request_to_its_first_replica():
+    """The frontend hands the request's session to the router: an agent's turns stay on the
+    replica whose prefix cache holds the conversation, whatever the load."""
+    from actors.tokenizer.router import Router
+    front = Frontend(FakeTokenizer(), MODEL, limits=LIMITS, router=Router(2, slack=0))
+    replicas = []
+    for k in range(4):
+        _, [(replica, _)] = front.on_client([b"id", msgspec.msgpack.encode(
+            {"type": 1, "req_id": f"r{k}", "prompt": f"turn {k}", "session": "s1",
+             "max_new_tokens": 2})], 0.0)
+        replicas.append(replica)
+    assert len(set(replicas)) == 1
+    _, [(other, _)] = front.on_client([b"id", msgspec.msgpack.encode(
+        {"type": 1, "req_id": "x", "prompt": "other", "max_new_tokens": 2})], 0.0)
+    assert other != replicas[0]  # without a session: the least loaded
