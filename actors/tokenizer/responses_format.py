@@ -160,10 +160,11 @@ def _function(spec: dict[str, Any], where: str, prefix: str = "") -> ToolBody:
     params = spec.get("parameters")
     if params is not None and not isinstance(params, dict):
         raise RequestError(f"{where}: parameters must be a JSON schema object", param="tools")
-    description = spec.get("description")
+    description, strict = spec.get("description"), spec.get("strict")
     return ToolBody(type="function", function=FunctionBody(
         name=prefix + name, description=description if isinstance(description, str) else None,
-        parameters=params or {"type": "object", "properties": {}}))
+        parameters=params or {"type": "object", "properties": {}},
+        strict=strict if isinstance(strict, bool) else None))
 
 
 def _tool_choice(choice: str | dict[str, Any] | None,
@@ -231,7 +232,7 @@ def input_messages(value: str | list[dict[str, Any]]) -> list[ChatMessageBody]:
                                        content=_text(item.get("content"), where)))
         elif kind == "reasoning":
             msg = assistant(fresh=True)
-            msg.reasoning_content = (msg.reasoning_content or "") + _reasoning(item)
+            msg.reasoning_content = (msg.reasoning_content or "") + _reasoning(item, where)
         elif kind == "function_call":
             call_id, name = item.get("call_id"), item.get("name")
             args = item.get("arguments", "{}")
@@ -286,14 +287,17 @@ def _text(content: Any, where: str) -> str:
     return "".join(texts)
 
 
-def _reasoning(item: dict[str, Any]) -> str:
+def _reasoning(item: dict[str, Any], where: str) -> str:
     """A reasoning item's text: its content, else what its encrypted_content (ours) carries,
     else its summary."""
-    for source in (item.get("content"), item.get("summary")):
-        if isinstance(source, list) and source:
-            return _text(source, "reasoning")
-    sealed = item.get("encrypted_content")
-    return unsign(sealed) if isinstance(sealed, str) else ""
+    content, summary, sealed = (item.get(k) for k in ("content", "summary",
+                                                      "encrypted_content"))
+    if isinstance(content, list) and content:
+        return _text(content, where)
+    text = unsign(sealed) if isinstance(sealed, str) else ""
+    if not text and isinstance(summary, list) and summary:
+        return _text(summary, where)
+    return text
 
 
 def reply_tool_call(name: str, namespaces: dict[str, tuple[str, str]]) -> dict[str, str]:

@@ -8,6 +8,7 @@ import signal
 import socket
 import time
 
+import anthropic
 import openai
 import pytest
 
@@ -175,6 +176,15 @@ def test_api_key_guards_every_route_but_health(model_cache):
         good = openai.OpenAI(base_url=g.http + "/v1", api_key="sekrit", max_retries=0)
         assert good.completions.create(model="qwen3-tiny", prompt="hi", max_tokens=2,
                                        temperature=0).usage.completion_tokens == 2
+        # Anthropic's clients send the key as x-api-key, and get errors in Anthropic's shape.
+        hi = dict(model="qwen3-tiny", max_tokens=2, messages=[{"role": "user", "content": "hi"}])
+        with pytest.raises(anthropic.AuthenticationError) as e:
+            anthropic.Anthropic(base_url=g.http, api_key="wrong",
+                                max_retries=0).messages.create(**hi)
+        assert e.value.body["type"] == "error" and \
+            e.value.body["error"]["type"] == "authentication_error"
+        claude = anthropic.Anthropic(base_url=g.http, api_key="sekrit", max_retries=0)
+        assert claude.messages.create(**hi).usage.output_tokens == 2
         import urllib.request
         with urllib.request.urlopen(g.http + "/health") as h:
             assert h.status == 200
