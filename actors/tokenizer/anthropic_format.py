@@ -137,8 +137,12 @@ def _chat_body(b: MessagesBody | CountBody, **sampling: Any) -> ChatBody:
                 parameters=t.input_schema or {"type": "object", "properties": {}}))
              for t in b.tools or [] if t.type in (None, "custom") and not t.defer_loading]
     choice, parallel = _tool_choice(b.tool_choice, tools)
-    kwargs = {"enable_thinking": False} if b.thinking and b.thinking.type == "disabled" else {}
-    return ChatBody(model=b.model, messages=messages, **sampling, tools=tools or None, tool_choice=choice, parallel_tool_calls=parallel,
+    kwargs: dict[str, Any] = {"enable_thinking": False} \
+        if b.thinking and b.thinking.type == "disabled" else {}
+    if messages[-1].role == "assistant" and not messages[-1].tool_calls:
+        kwargs["continue_final_message"] = True  # a prefill: the reply goes on from its text
+    return ChatBody(model=b.model, messages=messages, **sampling, tools=tools or None,
+                    tool_choice=choice, parallel_tool_calls=parallel,
                     chat_template_kwargs=kwargs or None)
 
 

@@ -168,9 +168,13 @@ async def _body(request: Request, limits: LimitsConfig) -> bytes:
 
 
 def _authorized(request: Request, key: str) -> bool:
-    """OpenAI's clients send the key as a bearer token, Anthropic's as x-api-key."""
-    return hmac.compare_digest(request.headers.get("authorization", ""), f"Bearer {key}") or \
-        hmac.compare_digest(request.headers.get("x-api-key", ""), key)
+    """OpenAI's clients send the key as a bearer token, Anthropic's as x-api-key. Compared as
+    bytes: a header may hold any latin-1 character, which compare_digest refuses in a str."""
+    want = key.encode()
+    given = [request.headers.get("authorization", "").encode("latin-1", "replace"),
+             request.headers.get("x-api-key", "").encode("latin-1", "replace")]
+    return hmac.compare_digest(given[0], b"Bearer " + want) or \
+        hmac.compare_digest(given[1], want)
 
 
 # Headers that name an agent's session (Claude Code's, Codex's, a generic one).
