@@ -178,7 +178,7 @@ def _authorized(request: Request, key: str) -> bool:
 
 
 # Headers that name an agent's session (Claude Code's, Codex's, a generic one).
-SESSION_HEADERS = ("x-claude-code-session-id", "session-id", "x-session-id")
+SESSION_HEADERS = ("x-claude-code-session-id", "session-id", "session_id", "x-session-id")
 
 
 def _session(request: Request) -> str:

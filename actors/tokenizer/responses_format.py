@@ -112,6 +112,12 @@ def parse_responses(raw: bytes, limits: LimitsConfig,
         raise RequestError("conversation objects are not supported: send the input, or "
                            "previous_response_id", param="conversation")
     tools, namespaces = _tools(b.tools or [])
+    tools = _allowed(b.tool_choice, tools)
+    constrained = [k for k, v in (("text.format", _format(b.text)), ("regex", b.regex),
+                                  ("ebnf", b.ebnf)) if v]
+    if len(constrained) > 1:  # named as this API names them (chat's check says response_format)
+        raise RequestError(f"give one of text.format, regex and ebnf, not "
+                           f"{' and '.join(constrained)}", param="text")
     conversation = [*before, *input_messages(b.input)]
     messages = ([ChatMessageBody(role="system", content=b.instructions)]
                 if b.instructions else []) + conversation
@@ -177,10 +183,25 @@ def _tool_choice(choice: str | dict[str, Any] | None,
         if isinstance(choice.get("namespace"), str) and isinstance(name, str):
             name = f"{choice['namespace']}.{name}"
         return {"type": "function", "function": {"name": name}}
-    if kind == "allowed_tools":
+    if kind == "allowed_tools":  # its tools are picked by _allowed
         return choice.get("mode", "auto")
     raise RequestError(f"tool_choice: type {str(kind)[:40]!r} is not one of function, "
                        "allowed_tools (or auto, none, required)", param="tool_choice")
+
+
+def _allowed(choice: Any, tools: list[ToolBody]) -> list[ToolBody]:
+    """With tool_choice allowed_tools, the tools the model may call: those it names (by name,
+    and namespace where it has one); the others are not shown."""
+    if not isinstance(choice, dict) or choice.get("type") != "allowed_tools":
+        return tools
+    named = set()
+    for k, t in enumerate(choice.get("tools") or []):
+        name = t.get("name") if isinstance(t, dict) else None
+        if not isinstance(name, str):
+            raise RequestError(f"tool_choice.tools[{k}]: a tool needs a name",
+                               param="tool_choice")
+        named.add(f"{t['namespace']}.{name}" if isinstance(t.get("namespace"), str) else name)
+    return [t for t in tools if t.function.name in named]
 
 
 def _format(text: TextConfig | None) -> ResponseFormat | None:

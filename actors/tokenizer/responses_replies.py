@@ -87,7 +87,9 @@ class ResponseWriter:
         return events + [self._event(kind, response=self.response)]
 
     def failed(self, code: int, message: str) -> list[bytes]:
-        self.response.update(status="failed", output=self.output, error={
+        # An open call's item holds its shown name ("shown"), ours alone.
+        output = [{k: v for k, v in item.items() if k != "shown"} for item in self.output]
+        self.response.update(status="failed", output=output, error={
             "code": "server_error" if code >= 500 else "invalid_request", "message": message})
         return [self._event("response.failed", response=self.response)]
 
