@@ -24,7 +24,7 @@ import shutil
 import sys
 import uuid
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -49,6 +49,9 @@ class ModelSpec:
     # The end-of-turn token's embedding row (tied: also its logit row) times this: above 1,
     # replies end by themselves after a few tokens, as a chat model's do (4: ~1 in 9 tokens).
     end_gain: float = 1.0
+    # A variant of another built-in: its weights are seeded by that one's name (the same but
+    # for what the variant changes). Empty: by its own name.
+    weights_of: str = ""
 
 
 _QWEN3_5_ROPE = {"rope_type": "default", "rope_theta": 10_000_000.0, "partial_rotary_factor": 0.25}
@@ -71,17 +74,6 @@ BUILTINS: dict[str, ModelSpec] = {
             num_attention_heads=8, num_key_value_heads=4, head_dim=64, vocab_size=151936,
             max_position_embeddings=40960, rope_theta=1_000_000.0, tie_word_embeddings=True,
         ),
-    ),
-    # qwen3-tiny whose replies end by themselves (the end-of-turn token likely after a few
-    # tokens): the model agents' tests drive, whose clients wait for a reply to end.
-    "qwen3-chat-tiny": ModelSpec(
-        vocab="qwen3",
-        config=dict(
-            model_type="qwen3", hidden_size=64, intermediate_size=192, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=151936,
-            max_position_embeddings=40960, rope_theta=1_000_000.0, tie_word_embeddings=True,
-        ),
-        end_gain=4.0,
     ),
     # Layers 0-2 are gated-delta-net (linear attention), layer 3 full attention, as in real Qwen3.5.
     "qwen3_5-tiny": ModelSpec(
@@ -120,6 +112,13 @@ BUILTINS: dict[str, ModelSpec] = {
         ),
     ),
 }  # fmt: skip
+
+# qwen3-tiny and qwen3-small whose replies end by themselves (the end-of-turn token likely
+# after a few tokens): what the coding agents' tests and benchmark drive, whose clients wait
+# for a reply to end (a reply cut at a token cap is an error to both agent CLIs).
+for _name in ("qwen3-tiny", "qwen3-small"):
+    BUILTINS[_name.replace("qwen3-", "qwen3-chat-")] = replace(BUILTINS[_name], end_gain=4.0,
+                                                               weights_of=_name)
 
 # The family test matrix (tests/unit/test_families.py): one tiny model per architecture family,
 # from mlx-lm's own classes, each through every runner-core oracle mode. Hidden 64, 2-4 layers,
@@ -234,8 +233,13 @@ def default_cache_dir() -> Path:
     return Path(os.environ.get("MAS_CACHE_DIR") or Path.home() / ".cache" / "mlx-actor-serve" / "models")
 
 
+_LATER = {"end_gain": 1.0, "weights_of": ""}
+
+
 def spec_hash(spec: ModelSpec) -> str:
-    blob = json.dumps({"build": BUILD_VERSION, **asdict(spec)}, sort_keys=True)
+    # Fields added later are left out at their defaults: the hashes stay as before them.
+    fields = {k: v for k, v in asdict(spec).items() if _LATER.get(k, object()) != v}
+    blob = json.dumps({"build": BUILD_VERSION, **fields}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:10]
 
 
@@ -289,6 +293,7 @@ _ARCHITECTURES = {
     "deepseek_v3": "DeepseekV3ForCausalLM",
     "deepseek_v32": "DeepseekV32ForCausalLM",
 }
+
 _ACTIVATIONS = {"gemma3_text": {"hidden_activation": "gelu_pytorch_tanh"}}  # as Gemma 3 configs say
 
 
@@ -401,7 +406,7 @@ def build_model_dir(name: str, spec: ModelSpec, directory: Path, progress: bool 
     directory.mkdir(parents=True)
     config = model_config(name, spec)
     shapes = weight_shapes(config)
-    seed = _seed(name)
+    seed = _seed(spec.weights_of or name)
     total = sum(int(np.prod(s)) for s in shapes.values()) * 4
     weights = {}
     with tqdm(total=total, unit="B", unit_scale=True, desc=f"building {name}", file=sys.stderr,

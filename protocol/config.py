@@ -24,7 +24,8 @@ class Section(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=T
 
 
 # The built-ins (models/builtin.py) and their format variants (models/formats.py).
-BUILTIN_NAME = (r"^(qwen3-tiny|qwen3-small|qwen3-chat-tiny|qwen3_5-tiny|qwen3_5-small|gemma3-tiny)"
+BUILTIN_NAME = (r"^(qwen3-tiny|qwen3-small|qwen3-chat-tiny|qwen3-chat-small|qwen3_5-tiny|"
+                r"qwen3_5-small|gemma3-tiny)"
                 r"(-[234568]bit(-g(32|64|128))?|-(mxfp4|mxfp8)(-g32)?|-nvfp4(-g16)?)?"
                 r"(-(bf16|fp16))?$")
 

@@ -56,8 +56,9 @@ def test_parameter_counts_from_the_spec():
 def test_spec_hashes_of_shipped_builtins_do_not_change():
     # A changed hash rebuilds every cached copy of that model: only on purpose.
     assert {name: builtin.spec_hash(spec) for name, spec in builtin.BUILTINS.items()} == {
-        "qwen3-tiny": "32ca2a7594", "qwen3-small": "de8f348b2a", "qwen3_5-tiny": "f45623a886",
-        "qwen3_5-small": "5ce6e69f53", "gemma3-tiny": "0edf15359e"}
+        "qwen3-tiny": "dcae617c37", "qwen3-small": "5506c839a1", "qwen3_5-tiny": "f45623a886",
+        "qwen3_5-small": "5ce6e69f53", "gemma3-tiny": "0edf15359e",
+        "qwen3-chat-tiny": "a24c626a2a", "qwen3-chat-small": "1103cf42c9"}
 
 
 def test_changed_spec_changes_directory_name():
@@ -166,3 +167,28 @@ def test_qwen3_small_is_varied(loaded):
     tokens, gaps = greedy(model, tokenizer.encode(PROMPTS[0]), steps=48)
     assert len(set(tokens)) >= 12
     assert statistics.median(gaps) > 0.3
+
+
+def test_the_chat_builtin_ends_its_replies_and_the_plain_one_does_not(loaded):
+    """qwen3-chat-tiny is qwen3-tiny with the end-of-turn row scaled: sampled replies to a
+    chat prompt end by themselves within a few dozen tokens (agents wait for that), where
+    qwen3-tiny's run on; the rest of the model is the same."""
+    from mlx_lm import generate
+    from mlx_lm.sample_utils import make_sampler
+
+    def ended(name: str) -> int:
+        _, model, tok = loaded(name)
+        count = 0
+        for k in range(8):
+            mx.random.seed(k)
+            prompt = tok.apply_chat_template([{"role": "user", "content": f"Say hi {k}"}],
+                                             add_generation_prompt=True)
+            text = generate(model, tok, prompt, max_tokens=120, sampler=make_sampler(temp=1.0))
+            count += len(tok.encode(text)) < 120
+        return count
+
+    assert ended("qwen3-chat-tiny") >= 7 and ended("qwen3-tiny") <= 1
+    plain = dict(tree_flatten(loaded("qwen3-tiny")[1].parameters()))
+    chat = dict(tree_flatten(loaded("qwen3-chat-tiny")[1].parameters()))
+    assert [k for k in plain if not mx.array_equal(plain[k], chat[k])] == \
+        ["model.embed_tokens.weight"]
