@@ -67,6 +67,9 @@ class MessageWriter:
                    "usage": usage(prompt_tokens, 0, 0)}
         return [_event("message_start", {"message": message}), _event("ping", {})]
 
+    def keepalive(self) -> bytes:
+        return _event("ping", {})
+
     def text(self, piece: str) -> list[bytes]:
         return self._blocks(self.parser.feed(piece))
 

@@ -76,6 +76,9 @@ class ResponseWriter:
         return [self._event("response.created", response=snapshot),
                 self._event("response.in_progress", response=snapshot)]
 
+    def keepalive(self) -> bytes:
+        return b": keepalive\n\n"  # an SSE comment: OpenAI's events have no ping
+
     def text(self, piece: str) -> list[bytes]:
         return self._items(self.parser.feed(piece))
 

@@ -209,3 +209,44 @@ def test_a_non_ascii_key_is_a_401(headers):
     status, raw = call(Bridge([finished("ok")], api_key="sekrit"), "/v1/messages", BODY,
                        headers)
     assert status == 401 and "API key" in error_of(status, raw, "authentication_error")
+
+
+def test_a_slow_first_token_opens_the_stream_and_keeps_it_alive(monkeypatch):
+    """No reply within OPEN_AFTER_S (a long prefill): message_start goes out at once and a
+    ping every KEEPALIVE_S until the first token, then the reply as usual."""
+    from actors.tokenizer import http_relay
+    monkeypatch.setattr(http_relay, "OPEN_AFTER_S", 0.0)
+    monkeypatch.setattr(http_relay, "KEEPALIVE_S", 0.01)
+
+    class Slow(Bridge):
+        def submit(self, req, replies, peer):
+            self.submitted.append(req)
+
+            async def later():  # the first token after several keepalive periods
+                await asyncio.sleep(0.2)
+                replies.put_nowait(m.Delta(req_id=req.req_id, text="Hello.", token_ids=[1]))
+                replies.put_nowait(m.Finished(**{**_fields(finished()), "req_id": req.req_id}))
+            asyncio.get_running_loop().create_task(later())
+
+    status, raw = call(Slow([]), "/v1/messages", {**BODY, "stream": True})
+    got = [e["type"] for e in events(raw)]
+    assert status == 200 and got[0] == "message_start"
+    first_block = got.index("content_block_start")
+    assert got[1:first_block].count("ping") >= 3  # begin's ping, then the keepalives
+    assert got[-2:] == ["message_delta", "message_stop"]
+
+
+def test_an_error_after_the_stream_opened_is_an_error_event(monkeypatch):
+    from actors.tokenizer import http_relay
+    monkeypatch.setattr(http_relay, "OPEN_AFTER_S", 0.0)
+
+    class Refusing(Bridge):
+        def submit(self, req, replies, peer):
+            asyncio.get_running_loop().call_later(0.05, replies.put_nowait, m.ErrorReply(
+                req_id=req.req_id, message="queue full", code=503))
+
+    status, raw = call(Refusing([]), "/v1/messages", {**BODY, "stream": True})
+    got = events(raw)
+    assert status == 200 and got[0]["type"] == "message_start"
+    assert got[-1] == {"type": "error", "error": {"type": "overloaded_error",
+                                                  "message": "queue full"}}
