@@ -2,11 +2,13 @@
 each against one served model; per turn, the time to first token and how much of the prompt
 the prefix cache served.
 
-    python -m benchmarks.serving.agents [--model qwen3-small] [--sessions 8] [--turns 3]
-        [--max-output-tokens 24] [--set KEY=VALUE ...] [--out agents.json]
+    python -m benchmarks.serving.agents [--model qwen3-chat-small] [--sessions 8] [--turns 3]
+        [--max-output-tokens 1024] [--set KEY=VALUE ...] [--out agents.json]
 
 Every session has its own HOME and working folder and runs `claude -p` then `claude -p
---continue` (turns - 1 times), one turn after the other; the sessions all start together. Each
+--continue` (turns - 1 times), one turn after the other; the sessions all start together. The default model is qwen3-small's
+weights with replies that end by themselves (qwen3-chat-small): Claude Code takes a reply cut at
+a token cap for an error and resends it. Each
 session talks through its own recording proxy; a turn's numbers are those of its first
 /v1/messages request (the one carrying the new prompt; a reply cut at max_output_tokens makes
 Claude Code send up to three "resume" requests more, counted in `requests`). TTFT is from the
@@ -89,11 +91,11 @@ def summarize(sessions: list[list[dict]], turns: int) -> list[dict]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.serving.agents",
                                 description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="qwen3-small", help="built-in model name")
+    p.add_argument("--model", default="qwen3-chat-small", help="built-in model name")
     p.add_argument("--sessions", type=int, default=8)
     p.add_argument("--turns", type=int, default=3)
-    p.add_argument("--max-output-tokens", type=int, default=24,
-                   help="limits.max_output_tokens (random weights never stop by themselves)")
+    p.add_argument("--max-output-tokens", type=int, default=1024,
+                   help="limits.max_output_tokens (a bound on a rare long reply)")
     p.add_argument("--set", action="append", default=[], help="extra launch --set overrides")
     p.add_argument("--out", help="write the results here as JSON")
     args = p.parse_args(argv)

@@ -17,17 +17,12 @@ import openai
 import pytest
 
 from actors.tokenizer.anthropic_format import unsign
+from tests.e2e.schemas import TIME, WEATHER
 
 pytestmark = pytest.mark.slow
 
 MODEL = "qwen3-tiny"
 GREEDY = {"temperature": 0}  # the SDK takes temperature no more: it goes in the body
-WEATHER = {"type": "object", "properties": {
-    "city": {"enum": ["Paris", "Oslo", "Lima"]},
-    "days": {"type": "integer", "minimum": 1, "maximum": 7}},
-    "required": ["city", "days"], "additionalProperties": False}
-TIME = {"type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}},
-        "required": ["zone"], "additionalProperties": False}
 TOOLS = [{"name": "get_weather", "description": "Forecast", "input_schema": WEATHER},
          {"name": "get_time", "input_schema": TIME}]
 SCHEMAS = {"get_weather": WEATHER, "get_time": TIME}

@@ -17,17 +17,12 @@ import openai
 import pytest
 
 from actors.tokenizer.anthropic_format import unsign
+from tests.e2e.schemas import TIME, WEATHER
 
 pytestmark = pytest.mark.slow
 
 MODEL = "qwen3-tiny"
 ASK = "What is the weather in Oslo for 3 days?"
-WEATHER = {"type": "object", "properties": {
-    "city": {"enum": ["Paris", "Oslo", "Lima"]},
-    "days": {"type": "integer", "minimum": 1, "maximum": 7}},
-    "required": ["city", "days"], "additionalProperties": False}
-TIME = {"type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}},
-        "required": ["zone"], "additionalProperties": False}
 TOOLS = [{"type": "function", "name": "get_weather", "description": "Forecast",
           "parameters": WEATHER, "strict": True},
          {"type": "namespace", "name": "clock", "description": "Time",

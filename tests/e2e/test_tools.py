@@ -11,15 +11,11 @@ import jsonschema
 import openai
 import pytest
 
+from tests.e2e.schemas import TIME, WEATHER
+
 pytestmark = pytest.mark.slow
 
 MODEL = "qwen3-tiny"
-WEATHER = {"type": "object", "properties": {
-    "city": {"enum": ["Paris", "Oslo", "Lima"]},
-    "days": {"type": "integer", "minimum": 1, "maximum": 7}},
-    "required": ["city", "days"], "additionalProperties": False}
-TIME = {"type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}},
-        "required": ["zone"], "additionalProperties": False}
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Forecast",
                                            "parameters": WEATHER}},
          {"type": "function", "function": {"name": "get_time", "parameters": TIME}}]
