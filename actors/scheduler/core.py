@@ -14,7 +14,7 @@ slots, the prefix tree and the ops for the runner).
 from __future__ import annotations
 
 from collections import deque
-from itertools import count
+from itertools import count, islice
 from typing import Callable
 
 from protocol import messages as m
@@ -25,6 +25,12 @@ from actors.scheduler.outputs import Outputs
 from actors.scheduler.pools import RowPool
 from actors.scheduler.request import Phase, Request
 from actors.scheduler.retraction import pick_victim, recompute_later, would_help
+
+
+# _admit_cached: how deep into the queue it looks for nearly cached prompts, and how many it
+# may admit before the queue's head.
+SCAN_QUEUED = 64
+MAX_OVERTAKES = 32
 
 
 class Scheduler:
@@ -102,8 +108,9 @@ class Scheduler:
         hold = self._hold_decode()
         if not hold:
             self._decode_rows(step)
-        budget = self.chunk
-        for req in [r for r in self.running if r.prefilling and r.active]:
+        prefilling = [r for r in self.running if r.prefilling and r.active]
+        budget = self.chunk - self._admit_cached(step)
+        for req in prefilling:
             # The chunks so far become a cached prefix others can share (hybrid: with a
             # snapshot of the state after them), in the batch that runs the next chunk.
             self.memory.cache_prefix(req, req.row, req.filled)
@@ -176,14 +183,48 @@ class Scheduler:
         req = self.queue[0]
         if self._sibling_prefilling(req):
             return None  # its prompt is being computed for a sibling: wait, then reuse it
+        # FIFO: the head waits for memory, nothing overtakes it (but _admit_cached's few)
+        return req if self._admit(req) else None
+
+    def _admit(self, req: Request) -> bool:
         row = self.rows.alloc()
         if not self.memory.admit(req, row, self._reserve(req.left)):
             self.rows.free(row)
-            return None  # FIFO: the head waits for memory, nothing overtakes it
-        self.queue.popleft()
+            return False
+        self.queue.remove(req)
         req.row, req.phase = row, Phase.RUNNING
         self.running.append(req)
-        return req
+        return True
+
+    def _admit_cached(self, step: BatchBuilder) -> int:
+        """An agent's next turn: a queued request whose prompt the prefix cache mostly holds,
+        and whose rest fits this step's prefill budget, is admitted first: before the prefills
+        running and the prompts queued ahead of it, which would otherwise hold it for their
+        whole length (8 agent sessions at once: a 99%-cached turn waited a minute behind the
+        others' first prompts). It passes the queue's head only while that head has been
+        passed fewer than MAX_OVERTAKES times, so a long prompt still gets its turn. Returns
+        the budget used."""
+        used = 0
+        if self.memory.tree is None:
+            return 0
+        for req in list(islice(self.queue, SCAN_QUEUED)):
+            if used >= self.chunk or not self.rows.available or not self.queue:
+                break
+            head = self.queue[0]
+            if req is not head and head.overtaken >= MAX_OVERTAKES:
+                break
+            if req.group or req.scoring:
+                continue
+            left = self.memory.left_to_compute(req)
+            if left > self.chunk - used or 2 * left > len(req.fill):
+                continue  # longer than the step's budget, or mostly not cached
+            if not self._admit(req):
+                break  # memory is short: the head waits for it first
+            if req is not head:
+                head.overtaken += 1
+            step.admit(req)
+            used += self._prefill_chunk(req, self.chunk - used, step)
+        return used
 
     def _prefill_chunk(self, req: Request, budget: int, step: BatchBuilder) -> int:
         n = min(len(req.fill) - req.filled, budget)

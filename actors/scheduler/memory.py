@@ -96,6 +96,14 @@ class Memory:
             ends.update(range(self.snapshot_interval, len(req.fill), self.snapshot_interval))
         return sorted(end for end in ends if end > match.length)
 
+    def left_to_compute(self, req: Request) -> int:
+        """The prompt tokens a queued request would prefill if admitted now: its fill less
+        the tree's longest prefix of it (an estimate: admission may back off from there, to a
+        state snapshot or short of the last token)."""
+        if not self._uses_tree(req):
+            return len(req.fill)
+        return len(req.fill) - min(self.tree.cached_length(req.fill), len(req.fill) - 1)
+
     def _uses_tree(self, req: Request) -> bool:
         return self.tree is not None and (self.prefix or bool(req.group))
 

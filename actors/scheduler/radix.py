@@ -98,6 +98,21 @@ class RadixCache:
         slots = [s for n in path[1:best_len] for s in n.slots]
         return Match(best, best_i, slots, best.state, i + edge)
 
+    def cached_length(self, tokens: Sequence[int]) -> int:
+        """How many leading tokens the tree holds: match's length without its side effects
+        (no split, no touch), for ordering a queue by what is left to compute."""
+        node, i = self.root, 0
+        while i < len(tokens):
+            child = node.children.get(tokens[i])
+            if child is None:
+                break
+            p = _common(child.key, tokens, i)
+            i += p
+            if p < len(child.key):
+                break
+            node = child
+        return i
+
     def insert(self, tokens: Sequence[int], slots: Sequence[int], state: int | None = None,
                head_input: bool = False) -> Node:
         """Cache tokens[i] -> slots[i]; the tree takes ownership of every slot passed. Where a

@@ -70,6 +70,7 @@ class Request:
     # land, sent whole with the first token (`scored` then).
     scores: list[m.PromptScores] = field(default_factory=list)
     scored: bool = False
+    overtaken: int = 0  # queued requests admitted before it while it led the queue (core.py)
 
     @property
     def prefilling(self) -> bool:

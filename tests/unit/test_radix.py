@@ -63,6 +63,27 @@ def test_exact_and_longer_queries_return_the_inserted_slots_in_order():
     cache.check()
 
 
+def test_cached_length_is_the_match_length_and_changes_nothing():
+    """The scheduler peeks at queued prompts with it every step: no split, no touch."""
+    cache = make_cache()
+    put(cache, [5, 6, 7, 8])
+    put(cache, [5, 6, 9])
+    before = (contents(cache), [n.stamp for n in cache.root.children.values()])
+    for query, length in (([5, 6, 7], 3), ([5, 6, 7, 8, 1], 4), ([5, 6, 9, 9], 3),
+                          ([5, 1], 1), ([2], 0), ([], 0)):
+        assert cache.cached_length(query) == length == make_copy_match(query)
+    assert (contents(cache), [n.stamp for n in cache.root.children.values()]) == before
+    cache.check()
+
+
+def make_copy_match(query: list[int]) -> int:
+    """match()'s length for query, on a tree of its own (match splits and touches)."""
+    other = make_cache()
+    put(other, [5, 6, 7, 8])
+    put(other, [5, 6, 9])
+    return other.match(query).length
+
+
 def test_shorter_query_splits_and_the_original_node_stays_below():
     cache = make_cache()
     node, slots, _ = put(cache, [1, 2, 3, 4])
