@@ -170,6 +170,11 @@ class SchedulerConfig(Section):
     # TTFT p50 by ~8% but the throughput by ~11% (decode rows riding along a prefill step cost
     # less than decode steps of their own) and made the decoders' longest gap 2.4x.
     prefill_first: bool = False
+    # true: a queued prompt the prefix cache mostly holds (an agent's next turn) is admitted
+    # before the long prompts queued and running ahead of it (a bounded number of times per
+    # head of the queue). 8 Claude Code sessions at once on qwen3-chat-small: the second
+    # turn's TTFT median 3.1 s, against 56 s strictly first come, first served.
+    cached_first: bool = True
     # KV slots a request must find free beyond its prompt to be admitted (capped by its
     # max_new_tokens); decode beyond that is covered by retracting the least advanced request.
     output_reserve_tokens: Annotated[int, Meta(ge=0)] = 64

@@ -50,7 +50,8 @@ class SchedulerActor:
                          max_queued=cfg.scheduler.max_queued_requests,
                          output_reserve=cfg.scheduler.output_reserve_tokens,
                          decode=self.decode, head_input=layers.head_input,
-                         prefill_first=cfg.scheduler.prefill_first)
+                         prefill_first=cfg.scheduler.prefill_first,
+                         cached_first=cfg.scheduler.cached_first)
 
     async def _await_layers(self) -> tuple[m.ModelLayers, list] | None:
         """The runner's ModelLayers, and every message that came before it (kept, in order,

@@ -39,7 +39,8 @@ class Scheduler:
                  max_queued: int = 1 << 16, output_reserve: int = 64, state_slots: int = 0,
                  prefix_cache: bool = False, snapshot_interval: int = 0,
                  decode: Callable[[list[int]], str] | None = None, share_groups: bool = True,
-                 head_input: bool = False, prefill_first: bool = False):
+                 head_input: bool = False, prefill_first: bool = False,
+                 cached_first: bool = True):
         self.rows = RowPool(max_running)
         # share_groups False (a model whose layers the tree cannot restore, prefix_plan.py): the
         # choices of a group prefill on their own, and nothing goes through the tree.
@@ -53,6 +54,7 @@ class Scheduler:
         self.max_queued = max_queued
         self.output_reserve = output_reserve
         self.prefill_first = prefill_first
+        self.cached_first = cached_first
         self.queue: deque[Request] = deque()
         self.requests: dict[str, Request] = {}  # every request not yet released
         self.running: list[Request] = []  # holding a row, not finished
@@ -205,7 +207,7 @@ class Scheduler:
         passed fewer than MAX_OVERTAKES times, so a long prompt still gets its turn. Returns
         the budget used."""
         used = 0
-        if self.memory.tree is None:
+        if self.memory.tree is None or not self.cached_first:
             return 0
         for req in list(islice(self.queue, SCAN_QUEUED)):
             if used >= self.chunk or not self.rows.available or not self.queue:

@@ -12,8 +12,9 @@ a token cap for an error and resends it. Each
 session talks through its own recording proxy; a turn's numbers are those of its first
 /v1/messages request (the one carrying the new prompt; a reply cut at max_output_tokens makes
 Claude Code send up to three "resume" requests more, counted in `requests`). TTFT is from the
-request reaching the proxy to the first content_block_delta leaving the server; "reply" is that
-request's whole reply, "CLI run" the whole `claude` command.
+request reaching the proxy to the first content_block_delta leaving the server (message_delta
+for an empty reply); "reply" is that request's whole reply, "CLI run" the whole `claude`
+command.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from models.builtin import ensure_builtin
 PROMPTS = ("Write a Python function that reverses a string.", "Now add type hints.",
            "Now add a docstring and a doctest.")
 FIRST_TOKEN = b'"content_block_delta"'
+EMPTY_REPLY = b'"message_delta"'  # a reply whose first token ended it: its end is its first
 
 
 def converse(bin_dir: Path, upstream: str, model: str, turns: int) -> list[dict]:
@@ -50,7 +52,8 @@ def converse(bin_dir: Path, upstream: str, model: str, turns: int) -> list[dict]
             if sent:
                 u = anthropic_usage(sent[0].response)
                 cached = u.get("cache_read_input_tokens", 0)
-                row.update(ttft_s=sent[0].seconds_to(FIRST_TOKEN),
+                ttft = sent[0].seconds_to(FIRST_TOKEN)
+                row.update(ttft_s=sent[0].seconds_to(EMPTY_REPLY) if ttft is None else ttft,
                            reply_s=round(sent[0].ended - sent[0].started, 3), cached_tokens=cached,
                            prompt_tokens=cached + u.get("input_tokens", 0)
                            + u.get("cache_creation_input_tokens", 0))

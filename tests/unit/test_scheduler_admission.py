@@ -77,10 +77,11 @@ def test_the_head_is_passed_a_bounded_number_of_times(monkeypatch):
     assert s.requests["long-a"].phase is Phase.RUNNING
 
 
-@pytest.mark.parametrize("prefix_cache", [False])
-def test_without_the_prefix_cache_admission_is_fifo(prefix_cache):
+@pytest.mark.parametrize("switch", [{"prefix_cache": False},
+                                    {"prefix_cache": True, "cached_first": False}])
+def test_without_the_prefix_cache_or_the_rule_admission_is_fifo(switch):
     s = Scheduler(max_running=8, context_length=4096, eos_ids=[99], chunked_prefill_size=64,
-                  kv_slots=8192, prefix_cache=prefix_cache)
+                  kv_slots=8192, **switch)
     s.add("turn-1", TURN, P(max_new_tokens=1))
     while step(s, []) is not None:
         pass
