@@ -159,7 +159,7 @@ BAD = [
     ([msgspec.msgpack.encode({"type": 1, "req_id": "x", "prompt": ""})], "empty prompt"),
     ([msgspec.msgpack.encode({"type": 1, "req_id": "x", "input_ids": [1, 10**9]})],
      "outside the vocabulary"),
-    ([msgspec.msgpack.encode({"type": 1, "req_id": "x", "prompt": "word " * 5000})],
+    ([msgspec.msgpack.encode({"type": 1, "req_id": "x", "prompt": "word " * 41000})],
      "context"),
     ([msgspec.msgpack.encode({"type": 1, "req_id": "", "prompt": "hi"})], "req_id"),
 ]
