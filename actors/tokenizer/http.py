@@ -1,6 +1,7 @@
-"""The OpenAI-compatible HTTP API: an ASGI app (Starlette under uvicorn) in the tokenizer actor's
-event loop. Every request becomes GenerateRequests for the same Frontend the ZMQ clients use;
-replies come back on a queue per HTTP request instead of the ROUTER socket."""
+"""The HTTP API (OpenAI's completions, chat and responses, Anthropic's messages): an ASGI app
+(Starlette under uvicorn) in the tokenizer actor's event loop. Every request becomes
+GenerateRequests for the same Frontend the ZMQ clients use; replies come back on a queue per
+HTTP request instead of the ROUTER socket."""
 
 from __future__ import annotations
 
@@ -21,15 +22,15 @@ from actors.tokenizer.anthropic_format import parse_count, parse_messages
 from actors.tokenizer.anthropic_replies import MessageWriter
 from actors.tokenizer.anthropic_replies import error_body as anthropic_error_body
 from actors.tokenizer.chat_output import ChatOutput, finish_reason
-from actors.tokenizer.http_relay import peer, relay
-from actors.tokenizer.responses_api import responses_routes
 from actors.tokenizer.event_stream import EventStream, disconnected, raw_send_app
+from actors.tokenizer.http_relay import peer, relay
 from actors.tokenizer.intake import RequestError
 from actors.tokenizer.openai_format import (error_body, parse_chat, parse_completion,
                                             parse_tokenize)
 from actors.tokenizer.openai_replies import (chat_chunk, chat_response, choice_of,
                                              completion_chunk, completion_response, prompt_of,
                                              usage)
+from actors.tokenizer.responses_api import responses_routes
 from protocol import messages as m
 from protocol.config import LimitsConfig
 
@@ -57,7 +58,7 @@ class Bridge(Protocol):
 
 
 def build_app(bridge: Bridge) -> Any:
-    def guarded(handler: Callable, shape: Callable[..., JSONResponse] = None) -> Callable:
+    def guarded(handler: Callable, shape: Callable[..., JSONResponse] | None = None) -> Callable:
         """The route with the API key checked and every failure answered in its API's shape
         (OpenAI's by default)."""
         answer = shape or _error

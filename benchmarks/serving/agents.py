@@ -6,15 +6,14 @@ the prefix cache served.
         [--max-output-tokens 1024] [--set KEY=VALUE ...] [--out agents.json]
 
 Every session has its own HOME and working folder and runs `claude -p` then `claude -p
---continue` (turns - 1 times), one turn after the other; the sessions all start together. The default model is qwen3-small's
-weights with replies that end by themselves (qwen3-chat-small): Claude Code takes a reply cut at
-a token cap for an error and resends it. Each
-session talks through its own recording proxy; a turn's numbers are those of its first
-/v1/messages request (the one carrying the new prompt; a reply cut at max_output_tokens makes
-Claude Code send up to three "resume" requests more, counted in `requests`). TTFT is from the
-request reaching the proxy to the first content_block_delta leaving the server (message_delta
-for an empty reply); "reply" is that request's whole reply, "CLI run" the whole `claude`
-command.
+--continue` (turns - 1 times), one turn after the other; the sessions all start together. The
+default model is qwen3-small's weights with replies that end by themselves (qwen3-chat-small):
+Claude Code takes a reply cut at a token cap for an error and resends it. Each session talks
+through its own recording proxy; a turn's numbers are those of its first /v1/messages request
+(the one carrying the new prompt; a reply cut at max_output_tokens makes Claude Code send up to
+three "resume" requests more, counted in `requests`). TTFT is from the request reaching the
+proxy to the first content_block_delta leaving the server (message_delta for an empty reply);
+"reply" is that request's whole reply, "CLI run" the whole `claude` command.
 """
 
 from __future__ import annotations
