@@ -147,7 +147,11 @@ def _tools(specs: list[dict[str, Any]]) -> tuple[list[ToolBody], dict[str, tuple
             group = spec.get("name")
             if not isinstance(group, str) or not group:
                 raise RequestError(f"tools[{k}]: a namespace needs a name", param="tools")
-            for j, inner in enumerate(spec.get("tools") or []):
+            inners = spec.get("tools") or []
+            if not isinstance(inners, list):
+                raise RequestError(f"tools[{k}].tools must be a list of function tools",
+                                   param="tools")
+            for j, inner in enumerate(inners):
                 if isinstance(inner, dict) and inner.get("type", "function") == "function":
                     tool = _function(inner, f"tools[{k}].tools[{j}]", prefix=group + ".")
                     namespaces[tool.function.name] = (group, inner["name"])
@@ -180,7 +184,9 @@ def _tool_choice(choice: str | dict[str, Any] | None,
     kind = choice.get("type")
     if kind == "function":
         name = choice.get("name")
-        if isinstance(choice.get("namespace"), str) and isinstance(name, str):
+        if not isinstance(name, str):
+            raise RequestError('tool_choice: type function needs a "name"', param="tool_choice")
+        if isinstance(choice.get("namespace"), str):
             name = f"{choice['namespace']}.{name}"
         return {"type": "function", "function": {"name": name}}
     if kind == "allowed_tools":  # its tools are picked by _allowed
@@ -195,7 +201,10 @@ def _allowed(choice: Any, tools: list[ToolBody]) -> list[ToolBody]:
     if not isinstance(choice, dict) or choice.get("type") != "allowed_tools":
         return tools
     named = set()
-    for k, t in enumerate(choice.get("tools") or []):
+    listed = choice.get("tools") or []
+    if not isinstance(listed, list):
+        raise RequestError("tool_choice.tools must be a list of tools", param="tool_choice")
+    for k, t in enumerate(listed):
         name = t.get("name") if isinstance(t, dict) else None
         if not isinstance(name, str):
             raise RequestError(f"tool_choice.tools[{k}]: a tool needs a name",

@@ -516,3 +516,16 @@ def test_one_conversation_is_one_request_on_chat_completions_and_responses(c):
     p = parse_responses(as_responses(c), LIMITS)
     assert _same(p.req) == _same(chat)
     assert p.tools == opts["tools"]
+
+
+@pytest.mark.parametrize("body", [
+    {"tools": [{"type": "namespace", "name": "n", "tools": 5}]},
+    {"tools": [{"type": "function", "name": "f"}],
+     "tool_choice": {"type": "allowed_tools", "tools": 5}},
+    {"tools": [{"type": "function", "name": "f"}], "tool_choice": {"type": "function"}},
+])
+def test_a_wrong_shape_deep_in_tools_is_a_400_not_a_bug(body):
+    """Free-form parts of the body (tools, tool_choice) are read by hand: a list where a list
+    belongs, a name where a name belongs, or a 400 naming the field."""
+    e = refused(**body)
+    assert e.code == 400 and e.param in ("tools", "tool_choice")
