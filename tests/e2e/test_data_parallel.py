@@ -7,6 +7,7 @@ mlx-lm's (as with one replica), a repeated long prefix goes to the replica that 
 from __future__ import annotations
 
 import asyncio
+import json
 import urllib.request
 
 import pytest
@@ -24,6 +25,16 @@ SHARED = "A long shared context that both requests start with, word for word. " 
 NEW = 10
 
 
+def _message(http: str, text: str, session: str) -> dict:
+    """One /v1/messages request with Claude Code's session header."""
+    body = json.dumps({"model": "any", "max_tokens": 2, "temperature": 0,
+                       "messages": [{"role": "user", "content": text}]}).encode()
+    req = urllib.request.Request(f"{http}/v1/messages", body, {
+        "content-type": "application/json", "x-claude-code-session-id": session})
+    with urllib.request.urlopen(req, timeout=60) as r:
+        return json.loads(r.read())
+
+
 async def _run(address: str):
     async with AsyncClient(address) as client:
         together = await asyncio.gather(*[client.generate(p, max_new_tokens=NEW)
@@ -39,6 +50,8 @@ def test_dp2_spreads_requests_keeps_tokens_and_routes_prefixes(model_cache):
     g = Graph(f"model.path={path}", "scheduler.dp=2")
     try:
         together, first, second = asyncio.run(asyncio.wait_for(_run(g.address), 180))
+        # An agent's session: two turns of nothing in common but Claude Code's session header.
+        turns = [_message(g.started.http, text, "session-a") for text in ("Hi.", "Bye now.")]
         with urllib.request.urlopen(f"{g.started.http}/metrics", timeout=30) as r:
             metrics = r.read().decode()
     finally:
@@ -62,7 +75,7 @@ def test_dp2_spreads_requests_keeps_tokens_and_routes_prefixes(model_cache):
     assert {r["actor"] for r in g.records if r.get("replica") == 1} == {
         "tokenizer", "scheduler.1", "runner.1"}  # the tokenizer on its routed requests
     by_order = sorted(received.values(), key=lambda r: int(r["rid"].rsplit("-", 1)[1]))
-    shared_first, shared_second = by_order[-2], by_order[-1]
+    shared_first, shared_second, one, two = by_order[-4:]  # then the session's two turns
     assert shared_second["routed_by"] == "prefix"
     assert shared_second["replica"] == shared_first["replica"]
     assert first.cached_tokens == 0 and second.cached_tokens > 0
@@ -70,3 +83,6 @@ def test_dp2_spreads_requests_keeps_tokens_and_routes_prefixes(model_cache):
                for line in metrics.splitlines()
                if line.startswith("mas:replica_requests_total{")}
     assert counted.keys() == {"0", "1"} and sum(counted.values()) == len(received)
+    # The session's second turn went where its first did, named as the reason.
+    assert all(t["stop_reason"] == "max_tokens" for t in turns)
+    assert two["routed_by"] == "session" and two["replica"] == one["replica"]
