@@ -10,13 +10,13 @@ a `type` other than "custom") and deferred tools (defer_loading) are not shown t
 
 from __future__ import annotations
 
-import base64
 import json
 from typing import Annotated, Any
 
 import msgspec
 from msgspec import Meta
 
+from actors.tokenizer.chat_output import unsign
 from actors.tokenizer.intake import RequestError, decode_body
 from actors.tokenizer.openai_format import (ChatBody, ChatMessageBody, FunctionBody, ToolBody,
                                             chat_requests)
@@ -27,10 +27,6 @@ from protocol.config import LimitsConfig
 # on every request. At the front of the prompt it would defeat the prefix cache on every
 # turn, and it tells the model nothing: it is dropped.
 VOLATILE_HEADER = "x-anthropic-billing-header:"
-# A thinking block's signature: its text, so that a client that shows no thinking
-# (display "omitted") can send it back and the template gets it again. Not a secret: the
-# client could ask for the text itself.
-SIGNATURE_PREFIX = "mas1:"
 
 
 class Block(msgspec.Struct, kw_only=True):
@@ -269,17 +265,3 @@ def _unsupported(block: Block, where: str) -> RequestError:
                             "model reads text only", param="messages")
     return RequestError(f"{where}: content block type {block.type[:40]!r} is not supported "
                         "here (text, tool_use, tool_result, thinking)", param="messages")
-
-
-def sign(thinking: str) -> str:
-    return SIGNATURE_PREFIX + base64.b64encode(thinking.encode()).decode()
-
-
-def unsign(signature: str) -> str:
-    """The thinking text a signature of ours carries; "" for any other signature."""
-    if not signature.startswith(SIGNATURE_PREFIX):
-        return ""
-    try:
-        return base64.b64decode(signature[len(SIGNATURE_PREFIX):], validate=True).decode()
-    except ValueError:
-        return ""

@@ -17,7 +17,7 @@ from typing import Any
 
 import msgspec
 
-from actors.tokenizer.anthropic_format import sign
+from actors.tokenizer.chat_output import sign
 from actors.tokenizer.chat_output import ChatOutput
 from actors.tokenizer.http_relay import sse
 from protocol import messages as m

@@ -9,12 +9,17 @@ very text a non-streamed reply holds (the model's own JSON, not a re-serializati
 
 from __future__ import annotations
 
+import base64
 import json
 import re
 import uuid
 from typing import Any
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+# Reasoning handed to a client to send back (Anthropic's thinking signature, Responses'
+# encrypted_content): its text, so a client shown none of it can return it and the template
+# gets it again. Not a secret: the client could ask for the text itself.
+SIGNATURE_PREFIX = "mas1:"
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 # The head of a call's body, up to where its arguments start.
 _HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"arguments"\s*:\s*')
@@ -210,3 +215,17 @@ def whole_message(text: str, reasoning: bool, tools: bool,
     elif not content:
         message["content"] = ""
     return message, bool(parser.calls)
+
+
+def sign(thinking: str) -> str:
+    return SIGNATURE_PREFIX + base64.b64encode(thinking.encode()).decode()
+
+
+def unsign(signature: str) -> str:
+    """The reasoning text a signature of ours carries; "" for any other signature."""
+    if not signature.startswith(SIGNATURE_PREFIX):
+        return ""
+    try:
+        return base64.b64decode(signature[len(SIGNATURE_PREFIX):], validate=True).decode()
+    except ValueError:
+        return ""

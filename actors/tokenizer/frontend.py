@@ -172,11 +172,7 @@ class Frontend:
         rid = f"{self._prefix}-{next(self._ids)}"
         group = f"{identity.hex()}/{req.group}" if req.group else ""
         # Encoded before the request is registered: nothing after this line can fail.
-        params = sampling_params(req, *constraint)
-        cap = self.limits.max_output_tokens
-        if cap and params.max_new_tokens > cap:
-            params = msgspec.structs.replace(
-                params, max_new_tokens=cap, min_new_tokens=min(params.min_new_tokens, cap))
+        params = sampling_params(req, *constraint, cap=self.limits.max_output_tokens)
         data = encode(m.TokenizedRequest(rid=rid, input_ids=pack_ids(ids), params=params,
                                          group=group))
         route = self.router.route(ids, group, req.session)
@@ -362,15 +358,17 @@ def prompt_columns(length: int, scores: m.PromptScores) -> dict[str, list]:
 
 
 def sampling_params(req: m.GenerateRequest, constraint_kind: str = "",
-                    constraint: str = "") -> m.SamplingParams:
-    """constraint: the compiled grammar of the request's constraint (Frontend.constraint)."""
+                    constraint: str = "", cap: int = 0) -> m.SamplingParams:
+    """constraint: the compiled grammar of the request's constraint (Frontend.constraint);
+    cap: limits.max_output_tokens, the most output tokens any request gets (0: no cap)."""
+    most = min(req.max_new_tokens, cap) if cap else req.max_new_tokens
     return m.SamplingParams(
-        max_new_tokens=req.max_new_tokens, temperature=req.temperature,
+        max_new_tokens=most, temperature=req.temperature,
         stop_token_ids=list(req.stop_token_ids), ignore_eos=req.ignore_eos, top_p=req.top_p,
         top_k=req.top_k, min_p=req.min_p, repetition_penalty=req.repetition_penalty,
         frequency_penalty=req.frequency_penalty, presence_penalty=req.presence_penalty,
         bias_ids=list(req.logit_bias), bias_values=list(req.logit_bias.values()),
-        seed=-1 if req.seed is None else req.seed, min_new_tokens=req.min_new_tokens,
+        seed=-1 if req.seed is None else req.seed, min_new_tokens=min(req.min_new_tokens, most),
         stop=list(req.stop), logprobs=req.logprobs or req.top_logprobs > 0,
         top_logprobs=req.top_logprobs, prompt_logprobs_from=req.logprob_start_len,
         constraint_kind=constraint_kind, constraint=constraint)

@@ -19,7 +19,7 @@ from typing import Annotated, Any, Callable
 import msgspec
 from msgspec import Meta
 
-from actors.tokenizer.anthropic_format import unsign
+from actors.tokenizer.chat_output import unsign
 from actors.tokenizer.intake import RequestError, decode_body
 from actors.tokenizer.openai_format import (ChatBody, ChatMessageBody, FunctionBody,
                                             JsonSchemaFormat, ResponseFormat, ToolBody,

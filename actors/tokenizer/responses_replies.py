@@ -16,7 +16,7 @@ from typing import Any
 
 import msgspec
 
-from actors.tokenizer.anthropic_format import sign
+from actors.tokenizer.chat_output import sign
 from actors.tokenizer.chat_output import ChatOutput
 from actors.tokenizer.http_relay import sse
 from actors.tokenizer.openai_format import ChatMessageBody
@@ -48,6 +48,7 @@ class ResponseWriter:
         self.seq = 0
         self.output: list[dict[str, Any]] = []
         self.open = ""  # the type of the item being filled ("" when none is)
+        self.called = ""  # the open call's function as the model named it (ns.name)
         self.response: dict[str, Any] = {
             "id": _id("resp_"), "object": "response", "created_at": int(time.time()),
             "status": "in_progress", "error": None, "incomplete_details": None,
@@ -90,9 +91,7 @@ class ResponseWriter:
         return events + [self._event(kind, response=self.response)]
 
     def failed(self, code: int, message: str) -> list[bytes]:
-        # An open call's item holds its shown name ("shown"), ours alone.
-        output = [{k: v for k, v in item.items() if k != "shown"} for item in self.output]
-        self.response.update(status="failed", output=output, error={
+        self.response.update(status="failed", output=self.output, error={
             "code": "server_error" if code >= 500 else "invalid_request", "message": message})
         return [self._event("response.failed", response=self.response)]
 
@@ -139,10 +138,11 @@ class ResponseWriter:
             elif "tool_calls" in d:
                 call = d["tool_calls"][0]
                 if "id" in call:  # a call's head: a new item
+                    self.called = call["function"]["name"]
                     events += self._add({
                         "type": "function_call", "id": _id("fc_"), "call_id": call["id"],
-                        **reply_tool_call(call["function"]["name"], self.parsed.namespaces),
-                        "arguments": "", "status": "in_progress", "shown": call["function"]})
+                        **reply_tool_call(self.called, self.parsed.namespaces),
+                        "arguments": "", "status": "in_progress"})
                 piece = call["function"]["arguments"]
                 if piece:
                     self._item["arguments"] += piece
@@ -162,11 +162,9 @@ class ResponseWriter:
         events = self._close()
         self.output.append(item)
         self.open = item["type"]
-        shown = {k: v for k, v in item.items() if k != "shown"}
-        if item["type"] != "function_call":
-            shown["content"] = []
+        added = item if item["type"] == "function_call" else {**item, "content": []}
         events.append(self._event("response.output_item.added", output_index=len(self.output)
-                                  - 1, item=shown))
+                                  - 1, item=added))
         if part is not None:
             events.append(self._event("response.content_part.added", part=part,
                                       **self._at(part=True)))
@@ -179,14 +177,13 @@ class ResponseWriter:
         item, events = self._item, []
         kind, self.open = self.open, ""
         if kind == "function_call":
-            shown = item.pop("shown")
             item["status"] = "completed"
             events.append(self._event("response.function_call_arguments.done",
                                       arguments=item["arguments"], name=item["name"],
                                       **self._at()))
             self.message.tool_calls = [*(self.message.tool_calls or []), {
                 "id": item["call_id"], "type": "function",
-                "function": {"name": shown["name"], "arguments": item["arguments"]}}]
+                "function": {"name": self.called, "arguments": item["arguments"]}}]
         else:
             part = item["content"][0]
             done = "response.reasoning_text.done" if kind == "reasoning" \

@@ -16,7 +16,7 @@ import jsonschema
 import openai
 import pytest
 
-from actors.tokenizer.anthropic_format import unsign
+from actors.tokenizer.chat_output import unsign
 from tests.e2e.schemas import TIME, WEATHER
 
 pytestmark = pytest.mark.slow

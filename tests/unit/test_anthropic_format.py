@@ -12,7 +12,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from actors.tokenizer.anthropic_format import parse_count, parse_messages, sign, unsign
+from actors.tokenizer.anthropic_format import parse_count, parse_messages
+from actors.tokenizer.chat_output import sign, unsign
 from actors.tokenizer.intake import RequestError
 from actors.tokenizer.openai_format import parse_chat
 from protocol import messages as m

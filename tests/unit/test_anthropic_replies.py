@@ -14,7 +14,7 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from actors.tokenizer.anthropic_format import unsign
+from actors.tokenizer.chat_output import unsign
 from actors.tokenizer.anthropic_replies import MessageWriter, error_body
 from protocol import messages as m
 

@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from actors.tokenizer.anthropic_format import sign
+from actors.tokenizer.chat_output import sign
 from actors.tokenizer.intake import RequestError
 from actors.tokenizer.openai_format import ChatMessageBody, parse_chat
 from actors.tokenizer.responses_format import (UNBOUNDED, input_messages, parse_responses,

@@ -14,7 +14,7 @@ import msgspec
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from actors.tokenizer.anthropic_format import unsign
+from actors.tokenizer.chat_output import unsign
 from actors.tokenizer.responses_format import parse_responses
 from actors.tokenizer.responses_replies import ResponseWriter
 from protocol import messages as m
