@@ -23,6 +23,7 @@ from actors.tokenizer.anthropic_replies import MessageWriter
 from actors.tokenizer.anthropic_replies import error_body as anthropic_error_body
 from actors.tokenizer.chat_output import ChatOutput, finish_reason
 from actors.tokenizer.event_stream import EventStream, disconnected, raw_send_app
+from actors.tokenizer.http_relay import Bridge as RelayBridge
 from actors.tokenizer.http_relay import peer, relay
 from actors.tokenizer.intake import RequestError
 from actors.tokenizer.openai_format import (error_body, parse_chat, parse_completion,
@@ -35,26 +36,23 @@ from protocol import messages as m
 from protocol.config import LimitsConfig
 
 
-class Bridge(Protocol):
-    """What the HTTP app needs from the actor that hosts it."""
+class Bridge(RelayBridge, Protocol):
+    """What the HTTP app needs from the actor that hosts it (submit, abort, prompt_tokens and
+    internal_error: the relay's)."""
 
     model_name: str
     strict_model_name: bool  # a request for another model is a 404 (else served)
     context_length: int
     api_key: str
     limits: LimitsConfig
+    store_items: int  # the response store's bounds (server.response_store_*)
+    store_bytes: int
 
-    def submit(self, req: m.GenerateRequest, replies: asyncio.Queue, peer: str) -> None: ...
-    def abort(self, req_id: str) -> None: ...
     async def healthy(self) -> bool: ...
     def metrics(self) -> str: ...
     def token_text(self, token_id: int) -> str: ...
-    def internal_error(self) -> None: ...
     def server_info(self) -> dict[str, Any]: ...
     def tokenize(self, req: m.GenerateRequest) -> list[int]: ...
-    def prompt_tokens(self, req_id: str) -> int: ...
-    store_items: int  # the response store's bounds (server.response_store_*)
-    store_bytes: int
 
 
 def build_app(bridge: Bridge) -> Any:
