@@ -36,19 +36,20 @@ def responses_routes(bridge: Any, guarded: Callable, body: Callable,
                 store.put(writer.response, [*parsed.conversation, writer.message])
         return await relay(bridge, request, parsed.req, writer, done=keep)
 
-    def stored(request: Request) -> str:
-        response_id = request.path_params["response_id"]
-        if store.get(response_id) is None:
-            raise RequestError(f"no stored response {response_id[:80]!r}", 404,
-                               param="response_id")
-        return response_id
+    def missing(response_id: str) -> RequestError:
+        return RequestError(f"no stored response {response_id[:80]!r}", 404,
+                            param="response_id")
 
     async def get(request: Request) -> Response:
-        return JSONResponse(store.get(stored(request)).response)
+        entry = store.get(request.path_params["response_id"])
+        if entry is None:
+            raise missing(request.path_params["response_id"])
+        return JSONResponse(entry.response)
 
     async def delete(request: Request) -> Response:
-        response_id = stored(request)
-        store.delete(response_id)
+        response_id = request.path_params["response_id"]
+        if not store.delete(response_id):
+            raise missing(response_id)
         return JSONResponse({"id": response_id, "object": "response", "deleted": True})
 
     return [Route("/v1/responses", guarded(create), methods=["POST"]),

@@ -113,7 +113,8 @@ def parse_responses(raw: bytes, limits: LimitsConfig,
                            "previous_response_id", param="conversation")
     tools, namespaces = _tools(b.tools or [])
     tools = _allowed(b.tool_choice, tools)
-    constrained = [k for k, v in (("text.format", _format(b.text)), ("regex", b.regex),
+    fmt = _format(b.text)
+    constrained = [k for k, v in (("text.format", fmt), ("regex", b.regex),
                                   ("ebnf", b.ebnf)) if v]
     if len(constrained) > 1:  # named as this API names them (chat's check says response_format)
         raise RequestError(f"give one of text.format, regex and ebnf, not "
@@ -131,7 +132,7 @@ def parse_responses(raw: bytes, limits: LimitsConfig,
         top_p=1.0 if b.top_p is None else b.top_p, top_k=b.top_k, seed=b.seed,
         tools=tools or None, tool_choice=_tool_choice(b.tool_choice, namespaces),
         parallel_tool_calls=b.parallel_tool_calls, chat_template_kwargs=kwargs or None,
-        response_format=_format(b.text), regex=b.regex, ebnf=b.ebnf)
+        response_format=fmt, regex=b.regex, ebnf=b.ebnf)
     reqs, opts = chat_requests(chat, session=session or b.prompt_cache_key or "", names=NAMES)
     return Parsed(reqs[0], b, opts["tools"], namespaces, conversation)
 
