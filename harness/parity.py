@@ -1,5 +1,5 @@
 """Served greedy tokens against mlx_lm.generate, as a command: the e2e tests' oracle check
-(tests/e2e/oracle.py) for where CI cannot run it, i.e. on a GPU (MLX's CUDA or Metal kernels
+(harness/oracle.py) for where CI cannot run it, i.e. on a GPU (MLX's CUDA or Metal kernels
 instead of this project's CPU ones) or on a checkpoint of the user's own.
 
     python -m harness.parity [--models qwen3-tiny qwen3-tiny-4bit ...] [--model-path DIR ...]
@@ -22,7 +22,7 @@ import mlx.core as mx
 from harness.graph import Graph
 from models.builtin import ensure_builtin
 from protocol.client import AsyncClient, Client
-from tests.e2e.oracle import Oracle
+from harness.oracle import Oracle
 
 PROMPTS = [
     "Hello world",

@@ -81,11 +81,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def flag_overrides(args: argparse.Namespace) -> list[str]:
     """The --model, --host, --port and --http-port flags as the --set overrides they equal."""
-    from models import builtin, formats
+    from models import builtin
 
     out = []
     if args.model:
-        named = args.model in builtin.BUILTINS or formats.parse(args.model) is not None
+        named = args.model in builtin.BUILTINS or builtin.parse_variant(args.model) is not None
         if named and not Path(args.model).expanduser().is_dir():
             out.append(f"model.builtin={args.model}")
         else:

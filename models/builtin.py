@@ -9,7 +9,7 @@ Plain random init makes greedy decoding repeat one token: with tied embeddings t
 mostly the input token's own embedding, so the input token wins the argmax. The init below makes every
 block write much more than the embedding into the residual stream, so the next token is a pseudo-random
 function of the context, and scales the final norm so the logits spread by several units (top-2 gaps far
-above float noise). tests/unit/test_builtin_model.py measures both properties. Gemma's norms scale
+above float noise). tests/runner/test_builtin_model.py measures both properties. Gemma's norms scale
 by 1 + weight and also normalize what each block writes; the same scales, stored minus one, keep
 its continuations as varied. FAMILIES are tiny models of other architectures (Llama, Qwen 2,
 Qwen3-MoE, Phi-3, gpt-oss, Ministral 3, DeepSeek-V3) for tests, built the same way.
@@ -30,6 +30,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
+from models import formats
 from models.qwen_bpe import VOCABS, write_tokenizer
 
 # Bump when the build itself changes (init rules, file layout): every cached model then rebuilds.
@@ -120,10 +121,10 @@ for _name in ("qwen3-tiny", "qwen3-small"):
     BUILTINS[_name.replace("qwen3-", "qwen3-chat-")] = replace(BUILTINS[_name], end_gain=4.0,
                                                                weights_of=_name)
 
-# The family test matrix (tests/unit/test_families.py): one tiny model per architecture family,
+# The family test matrix (tests/runner/test_families.py): one tiny model per architecture family,
 # from mlx-lm's own classes, each through every runner-core oracle mode. Hidden 64, 2-4 layers,
 # the Qwen 3 tokenizer; tied or untied as the family usually is. Not in BUILTINS (the names a
-# config may serve: protocol/config.py BUILTIN_NAME, pinned in tests/unit/test_builtin_model.py);
+# config may serve: protocol/config.py BUILTIN_NAME, pinned in tests/runner/test_builtin_model.py);
 # ensure_builtin builds them all the same.
 _MINISTRAL3_ROPE = {"rope_type": "default", "rope_theta": 1_000_000.0,
                     # Llama 4's query scaling: 1 + beta * log(1 + floor(pos / 32)), so prompts
@@ -249,15 +250,33 @@ def ensure_builtin(name: str, cache_dir: Path | None = None, progress: bool = Tr
     built-in converted by mlx-lm, cached the same way."""
     spec = _spec(name)
     if spec is None:
-        from models import formats
-
-        if formats.parse(name) is not None:
-            return formats.ensure_variant(name, cache_dir, progress)
+        if (parsed := parse_variant(name)) is not None:
+            return _ensure_variant(name, *parsed, cache_dir, progress)
         raise KeyError(f"unknown built-in model {name!r}; known: {sorted(BUILTINS)}, "
                        f"and their variants {formats.GRAMMAR}; families: {sorted(FAMILIES)}")
     cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     final = cache_dir / f"{name}-{spec_hash(spec)}"
     return build_once(final, lambda scratch: build_model_dir(name, spec, scratch, progress))
+
+
+
+def parse_variant(name: str) -> tuple[str, formats.Format] | None:
+    """(base, format) of a format variant of a built-in (models/formats.py); None if not one."""
+    return formats.parse(name, BUILTINS)
+
+
+def _ensure_variant(name: str, base: str, fmt: formats.Format, cache_dir: Path | None,
+                    progress: bool) -> Path:
+    """The directory of variant `name`, converting its built-in (built first if need be) once."""
+    base_hash = spec_hash(BUILTINS[base])
+    cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    final = cache_dir / f"{name}-{formats.variant_hash(base_hash)}"
+    if final.is_dir():  # the launcher finds a cached variant without importing MLX
+        return final
+    formats.check_groups(name, fmt, weight_shapes(model_config(base, BUILTINS[base])))
+    source = ensure_builtin(base, cache_dir, progress)
+    config = {"builtin": name, "base": base, "spec_hash": base_hash, "format": asdict(fmt)}
+    return build_once(final, lambda scratch: formats.convert(source, scratch, fmt, config, progress))
 
 
 def build_once(final: Path, build: Callable[[Path], None]) -> Path:

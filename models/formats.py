@@ -14,7 +14,8 @@ converter does not quantize (scales, biases, norms), so the activations stay flo
 mlx-community checkpoints of bf16 models are of the `-4bit-bf16` kind: bfloat16 scales, biases
 and activations. A variant is cached beside its base, named by the variant and a hash of the
 base's spec hash and FORMAT_VERSION, so a changed base rebuilds it; it is built atomically, as
-the base is (builtin.build_once).
+the base is. This module knows formats only: models/builtin.py names the bases and builds
+both.
 """
 
 from __future__ import annotations
@@ -28,8 +29,7 @@ import shutil
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
-
-from models import builtin
+from typing import Collection
 
 # Bump when the conversion itself changes: every cached variant then rebuilds. (The variant's
 # name is part of its folder's name, so a new kind of variant needs no bump.)
@@ -54,11 +54,11 @@ class Format:
     mode: str = "affine"  # mlx's quantization mode: affine, mxfp4, nvfp4, mxfp8
 
 
-def parse(name: str) -> tuple[str, Format] | None:
-    """(base built-in, format) of a variant name; None when `name` is not one. ValueError for
-    a variant of a known built-in in bits or a group size mlx cannot quantize to."""
+def parse(name: str, bases: Collection[str]) -> tuple[str, Format] | None:
+    """(base, format) of a variant name of one of `bases`; None when `name` is not one.
+    ValueError for a variant of a known base in bits or a group size mlx cannot quantize to."""
     match = _NAME.fullmatch(name)
-    if (not match or match["base"] not in builtin.BUILTINS
+    if (not match or match["base"] not in bases
             or not (match["bits"] or match["mode"] or match["dtype"])):
         return None
     dtype = DTYPES[match["dtype"]] if match["dtype"] else "float32"
@@ -78,34 +78,16 @@ def parse(name: str) -> tuple[str, Format] | None:
     return match["base"], Format(bits, group or 64, dtype)
 
 
-def ensure_variant(name: str, cache_dir: Path | None = None, progress: bool = True) -> Path:
-    """The directory of variant `name`, converting its built-in (built first if need be) once."""
-    parsed = parse(name)
-    if parsed is None:
-        raise KeyError(f"unknown format variant {name!r}; variants: {GRAMMAR}")
-    base, fmt = parsed
-    base_hash = builtin.spec_hash(builtin.BUILTINS[base])
-    cache_dir = Path(cache_dir) if cache_dir is not None else builtin.default_cache_dir()
-    final = cache_dir / f"{name}-{variant_hash(base_hash)}"
-    if final.is_dir():  # the launcher finds a cached variant without importing MLX
-        return final
-    _check_groups(name, base, fmt)
-    source = builtin.ensure_builtin(base, cache_dir, progress)
-    config = {"builtin": name, "base": base, "spec_hash": base_hash, "format": asdict(fmt)}
-    return builtin.build_once(final, lambda scratch: convert(source, scratch, fmt, config, progress))
-
-
 def variant_hash(base_hash: str) -> str:
     return hashlib.sha256(f"{base_hash}/{FORMAT_VERSION}".encode()).hexdigest()[:10]
 
 
-def _check_groups(name: str, base: str, fmt: Format) -> None:
+def check_groups(name: str, fmt: Format, shapes: dict[str, tuple[int, ...]]) -> None:
     """mlx-lm silently leaves float32 a layer whose input width its group does not divide: refuse
-    that instead of building a model that is only partly in the format its name says."""
+    that instead of building a model that is only partly in the format its name says. `shapes`:
+    the base's weight shapes by parameter path."""
     if fmt.bits is None:
         return
-    spec = builtin.BUILTINS[base]
-    shapes = builtin.weight_shapes(builtin.model_config(base, spec))
     odd = sorted(p for p, s in shapes.items() if len(s) == 2 and s[-1] % fmt.group_size)
     if odd:
         raise ValueError(f"{name!r}: groups of {fmt.group_size} do not divide the input width "

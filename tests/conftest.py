@@ -1,4 +1,6 @@
+import multiprocessing.process
 import os
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -9,6 +11,32 @@ from models import builtin
 # The oracle (mlx_lm.generate in this process) and the servers' runners use the same BLAS,
 # so their float32 sums are done by the same kernels. Before anything imports mlx.
 blas.load("auto")
+
+# Layers whose every test starts processes or loads a real model: `slow` by where they live.
+SLOW_LAYERS = {"runner", "actors", "e2e"}
+# Fixtures that build or load a real model or start the graph: `slow` wherever they are used.
+SLOW_FIXTURES = {"model_cache", "loaded", "graph", "tiny_model"}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        layer = Path(str(item.path)).relative_to(Path(__file__).parent).parts[0]
+        if layer in SLOW_LAYERS or SLOW_FIXTURES.intersection(item.fixturenames):
+            item.add_marker(pytest.mark.slow)
+
+
+def pytest_configure(config):
+    """With `-m "not slow"` (make test-fast) a test that starts a process fails, naming it:
+    the fast layer is the one that starts none."""
+    if "not slow" not in (config.getoption("markexpr") or ""):
+        return
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("a test outside the slow layers started a process: mark it slow "
+                           "(tests/conftest.py)")
+
+    subprocess.Popen._execute_child = refuse
+    multiprocessing.process.BaseProcess.start = refuse
 
 
 @pytest.fixture(scope="session")
@@ -34,3 +62,16 @@ def loaded(model_cache):
         return cache[name]
 
     return load
+
+
+@pytest.fixture(scope="session")
+def graph(model_cache):
+    """The real graph on qwen3-tiny with the default config, one for the whole test session:
+    starting one takes seconds, and tests that share it leave nothing behind that another
+    could see (each request is its own; counters are read as differences)."""
+    from harness.graph import Graph
+
+    builtin.ensure_builtin("qwen3-tiny", cache_dir=model_cache, progress=False)
+    g = Graph("model.builtin=qwen3-tiny")
+    yield g
+    assert g.stop() == 0

@@ -26,7 +26,7 @@ and the block's outputs and final state are products:
 Every step is a batched matmul over (batch, head) or one triangular solve of C x C, so the
 work goes through the BLAS. Decay ratios are exponentials of differences of cumulative log
 gates, masked before the exponential above the diagonal (never inf * 0). Same results as the
-sequential form up to float rounding (tests/unit/test_chunked_delta.py). Without the kernel,
+sequential form up to float rounding (tests/runner/test_chunked_delta.py). Without the kernel,
 decode rows keep mlx-lm's own path; masked batches always do. The kernel beats the blocks on
 the CPU (one layer of qwen3_5-small, 512 tokens: 6.9 against 18 ms): at these sizes the
 blocks' time goes to MLX's per-op cost, not to their arithmetic.

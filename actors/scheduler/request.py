@@ -8,7 +8,7 @@ A request leaves the scheduler (`Scheduler.requests`) only when no built step ca
 more (`inflight == 0`, future_map.py): until then its row and KV slots may still be written.
 `aborted` and `retracting` mark a RUNNING request whose ending waits for its steps in flight.
 
-Counters, and what always holds between them (checked by tests/unit/test_scheduler_properties.py):
+Counters, and what always holds between them (checked by tests/core/test_scheduler_properties.py):
 - `fill`: what admission prefills (the prompt; prompt + output after a retraction).
 - `tree_len <= filled <= len(fill)`: the first `tree_len` positions are in the radix tree (the
   cached prefix at admission, then each chunk as it is cached), `filled` positions are in built

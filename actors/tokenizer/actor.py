@@ -92,7 +92,7 @@ class TokenizerActor:
                 # event before it closes the fd, so before the new connection's first message
                 # is readable, but maybe after the previous message was read: checking once
                 # per poll put the new client on the old fd, and its requests were aborted
-                # with the old connection (found by the soak in benchmarks/fuzz/job.py).
+                # with the old connection (found by the soak in tools/fuzz/job.py).
                 await self._abort_gone()
                 if (frames := self._recv_client()) is None:
                     break

@@ -12,7 +12,7 @@ import pytest
 from models.tokenizer import load_tokenizer
 from protocol import messages as m
 from protocol.codec import pack_ids
-from tests.actors.neighbours import Rig, make_config
+from tests.support.rig import Rig, make_config
 
 pytestmark = pytest.mark.slow  # starts processes, like tests/e2e
 

@@ -20,7 +20,7 @@ import zmq
 
 from protocol import messages as m
 from protocol.codec import pack_ids, unpack_ids
-from tests.actors.neighbours import TIMEOUT_S, Rig, make_config
+from tests.support.rig import TIMEOUT_S, Rig, make_config
 
 pytestmark = pytest.mark.slow  # starts processes, like tests/e2e
 

@@ -17,7 +17,7 @@ import openai
 import pytest
 
 from actors.tokenizer.chat_output import unsign
-from tests.e2e.schemas import TIME, WEATHER
+from tests.support.schemas import TIME, WEATHER
 
 pytestmark = pytest.mark.slow
 

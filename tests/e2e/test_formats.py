@@ -14,7 +14,8 @@ from harness.graph import Graph
 from harness.parity import PROMPTS, batched_then_alone
 from models.builtin import ensure_builtin
 from protocol.client import Client
-from tests.e2e.oracle import Oracle
+from harness.oracle import Oracle
+from tests.support.formats import EXTENDED
 
 pytestmark = pytest.mark.slow
 
@@ -48,8 +49,6 @@ BF16_SCALES = pytest.mark.xfail(strict=True, reason="4-bit with bf16 scales: the
                                 "round differently from MLX's bf16 quantized_matmul")
 # `make test` serves one format of each path (the kernels' 4-bit, 8-bit, bf16, a hybrid, and
 # mxfp8 for jit); the other jit formats and the xfail are the extended matrix.
-EXTENDED = {"qwen3-tiny-4bit-bf16", "qwen3-tiny-3bit", "qwen3-tiny-mxfp4", "qwen3-tiny-nvfp4",
-            "qwen3-tiny-fp16"}
 CASES = [pytest.param(n, marks=(*([BF16_SCALES] if n == "qwen3-tiny-4bit-bf16" else []),
                                 *([pytest.mark.matrix] if n in EXTENDED else [])))
          for n in KINDS]

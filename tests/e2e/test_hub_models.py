@@ -20,8 +20,8 @@ import pytest
 from harness.graph import ROOT, READY, Graph, start_graph, stop_graph
 from models.builtin import ensure_builtin
 from protocol.client import AsyncClient
-from tests.e2e.oracle import Oracle
-from tests.unit.test_hub import REV_MAIN, REV_OLD, cache_model
+from harness.oracle import Oracle
+from tests.support.hub import REV_MAIN, REV_OLD, cache_model
 
 pytestmark = pytest.mark.slow
 

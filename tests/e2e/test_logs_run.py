@@ -15,7 +15,7 @@ from harness.graph import ROOT, Graph
 from models.builtin import ensure_builtin
 from models.tokenizer import load_tokenizer
 from protocol.client import AsyncClient
-from tests.e2e.streams import abort_a_stream
+from tests.support.streams import abort_a_stream
 
 pytestmark = pytest.mark.slow
 

@@ -11,7 +11,7 @@ import pytest
 from harness.graph import Graph
 from models.builtin import ensure_builtin
 from protocol.client import AsyncClient, Client
-from tests.e2e.oracle import Oracle
+from harness.oracle import Oracle
 
 pytestmark = pytest.mark.slow
 

@@ -7,7 +7,7 @@ import pytest
 
 from harness import parity
 from models.builtin import ensure_builtin
-from tests.e2e.oracle import Oracle
+from harness.oracle import Oracle
 
 pytestmark = pytest.mark.slow
 

@@ -12,8 +12,8 @@ from harness.graph import Graph
 from models.builtin import ensure_builtin
 from protocol import messages as m
 from protocol.client import AsyncClient
-from tests.e2e.oracle import Oracle
-from tests.e2e.test_serving import PROMPTS
+from harness.oracle import Oracle
+from tests.support.prompts import PROMPTS
 
 pytestmark = pytest.mark.slow
 

@@ -15,23 +15,13 @@ from harness.graph import ROOT, Graph
 from models.builtin import ensure_builtin
 from protocol import messages as m
 from protocol.client import AsyncClient, Client, ServerError
-from tests.e2e.oracle import Oracle
-from tests.e2e.streams import abort_a_stream
+from harness.oracle import Oracle
+from tests.support.prompts import PROMPTS
+from tests.support.streams import abort_a_stream
 
 pytestmark = pytest.mark.slow
 
 MAX_NEW = 24
-LONG = " ".join(f"Line {i}: the quick brown fox jumps over the lazy dog." for i in range(100))
-PROMPTS = [
-    "Hello world",
-    "The capital of France is",
-    "中文的自然语言处理很有趣，我们今天来讨论",
-    "日本語とemoji 🎉🚀 mixed together: ",
-    "👨‍👩‍👧 family 🇯🇵 flag ✨",
-    "def fibonacci(n):\n    if n < 2:\n        return n\n",
-    LONG,
-    "Q: What is 2 + 2?\nA:",
-]
 
 
 @pytest.fixture(scope="module")

@@ -15,8 +15,8 @@ import pytest
 from models.builtin import ensure_builtin
 from models.tokenizer import load_tokenizer
 from protocol.client import Client, ServerError
-from tests.e2e.oracle import Oracle
-from tests.unit.test_grammar import SCHEMAS
+from harness.oracle import Oracle
+from tests.support.schemas import SCHEMAS
 
 pytestmark = pytest.mark.slow
 

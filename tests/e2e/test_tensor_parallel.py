@@ -18,7 +18,7 @@ import pytest
 from harness.graph import Graph, alive, start_graph
 from models.builtin import ensure_builtin
 from protocol.client import AsyncClient, ServerError
-from tests.e2e.oracle import Oracle
+from harness.oracle import Oracle
 
 pytestmark = pytest.mark.slow
 

@@ -11,7 +11,7 @@ import jsonschema
 import openai
 import pytest
 
-from tests.e2e.schemas import TIME, WEATHER
+from tests.support.schemas import TIME, WEATHER
 
 pytestmark = pytest.mark.slow
 

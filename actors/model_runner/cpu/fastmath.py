@@ -13,7 +13,7 @@ the attention softmax ([heads, 512, 512] exps per layer) and the SiLU ([512, int
 take as long as all the matmuls together. Here MLX still computes the attention scores and the
 weighted sum (BLAS), NumPy the softmax and the sigmoid: prefill of qwen3-small 1.7x faster, batch-16
 decode steps ~8% faster (`python -m benchmarks.kernels.fastmath`). Greedy tokens stay those of
-mlx_lm.generate (tests/unit/test_fastmath.py, and every runner oracle test runs with it on).
+mlx_lm.generate (tests/kernels/test_fastmath.py, and every runner oracle test runs with it on).
 
 Each layer that takes the NumPy path evaluates its graph up to there (the NumPy call needs the
 values). That costs nothing measurable at the sizes where it is used (at least MIN_ELEMENTS

@@ -1,5 +1,0 @@
-import sys
-
-from benchmarks.fuzz.job import main
-
-sys.exit(main())

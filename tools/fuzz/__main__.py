@@ -1,0 +1,5 @@
+import sys
+
+from tools.fuzz.job import main
+
+sys.exit(main())
