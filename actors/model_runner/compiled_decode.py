@@ -4,7 +4,7 @@ Why: at one request a decode step's graph (~550 nodes on qwen3-small) takes 0.8-
 Python to build on an idle machine, 1.4-1.8 ms where the kernels and the other actors share
 its two cores; a compiled call replays the traced graph in 0.25-0.4 ms. With two processes
 busy beside it, the bare pipelined 4-bit step took 6.1 ms compiled against 6.8 ms built
-(BENCHMARKS.md, "Served c = 1: the inbox and the compiled decode").
+(docs/performance.md, "Graph nodes per step").
 
 What is traced: the model's forward over the decode batch as a function of everything that
 changes between steps: the tokens, the positions' arrays (RoPE offsets, page table, mask, keys

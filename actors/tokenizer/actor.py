@@ -4,6 +4,7 @@ Frontend: client frames in, TokenizedRequests to the scheduler; TextBatches in, 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 
 import zmq
@@ -63,11 +64,15 @@ class TokenizerActor:
         info = {"client": self.client_address}
         if self.http is not None:
             info["http"] = self.http.address
+        # Set before any request can come: compiling threads wake the loop through it.
+        self._woken = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        self.front.wake = lambda: loop.call_soon_threadsafe(self._woken.set)
         await self.shell.ready(**info)
         try:
             # A failure in any loop takes the actor down loudly (TaskGroup re-raises).
             async with asyncio.TaskGroup() as tasks:
-                side = [tasks.create_task(self._clients())]
+                side = [tasks.create_task(self._clients()), tasks.create_task(self._compiles())]
                 if self.http is not None:
                     side.append(tasks.create_task(self.http.serve()))
                 await self._inbox()
@@ -99,6 +104,20 @@ class TokenizerActor:
                 replies, forward = self.front.on_client(frames, time.monotonic())
                 self.to_schedulers(forward)
                 await self._reply(replies)
+
+    async def _compiles(self) -> None:
+        """Requests whose grammars compile on threads (compiles.py): opened or refused when a
+        compile ends, times out or its request is aborted. The loop is woken by the
+        compiling thread, or sleeps until the next compile's deadline."""
+        while True:
+            deadline = self.front.next_deadline()
+            wait = None if deadline is None else max(0.0, deadline - time.monotonic())
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._woken.wait(), wait)
+            self._woken.clear()
+            replies, forward = self.front.compiled(time.monotonic())
+            self.to_schedulers(forward)
+            await self._reply(replies)
 
     def to_schedulers(self, forward: list[Outbound]) -> None:
         """Each message to its replica's scheduler (PUSH with no high-water mark never

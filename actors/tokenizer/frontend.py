@@ -6,6 +6,10 @@ request refused before that gets one ErrorReply at once. A request gets its rid 
 decoded, checked, tokenized and encoded for the scheduler: nothing that can still fail comes
 after it. No client input may raise out of `on_client` or `submit`: a bug it finds fails that
 request alone (500, counted in /metrics as an internal error) and the actor keeps serving.
+
+A request with a constraint waits for its grammar (compiles.py) between its checks and its rid:
+`submit` starts the compile and returns nothing; `compiled`, called by the shell when `wake`
+says a compile ended or when `next_deadline` passes, opens the request or refuses it.
 """
 
 from __future__ import annotations
@@ -13,15 +17,15 @@ from __future__ import annotations
 import hmac
 import itertools
 import os
-from concurrent.futures import ThreadPoolExecutor
-from concurrent.futures import TimeoutError as CompileTimeout
+from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import msgspec
 import structlog
 
-from actors.constraints import GrammarError, compile_constraint
+from actors.constraints import GrammarError
+from actors.tokenizer.compiles import Compiles
 from models.info import ModelInfo
 from actors.tokenizer.intake import RequestError, check_request, decode_frame
 from actors.tokenizer.router import Router
@@ -55,6 +59,21 @@ class Open:
     scoring: bool = False
 
 
+@dataclass
+class Compiling:
+    """A checked, tokenized request whose grammar is compiling; no rid yet."""
+
+    identity: bytes
+    req: m.GenerateRequest
+    received: float
+    peer: str
+    ids: list[int]
+    kind: str
+    job: Future
+    deadline: float
+    aborted: str = ""  # the log event of an abort that came while it compiled
+
+
 class Frontend:
     def __init__(self, tokenizer: Any, model: ModelInfo, log: Any = None,
                  limits: LimitsConfig = LimitsConfig(), api_key: str = "",
@@ -71,9 +90,11 @@ class Frontend:
         self.refusal = "server is shutting down"
         self._ids = itertools.count(1)
         self._prefix = f"{os.getpid():x}"
-        # Grammars compile on a thread of their own, so that one taking too long is refused
-        # after limits.grammar_timeout_s (llguidance compiles lazily: ~0.1 ms for a schema).
-        self._compiler = ThreadPoolExecutor(1, thread_name_prefix="grammar")
+        # Grammars compile off the event loop (llguidance compiles lazily: ~0.1 ms for a
+        # schema, but a hostile one may take seconds); `wake` is the shell's thread-safe nudge.
+        self.compiles = Compiles()
+        self.compiling: dict[tuple[bytes, str], Compiling] = {}
+        self.wake: Callable[[], None] = lambda: None
         self._specials: frozenset[str] | None = None
 
     # -- from clients ------------------------------------------------------------------------
@@ -122,12 +143,16 @@ class Frontend:
     def client_gone(self, identity: bytes) -> list[Outbound]:
         """The connection of a ZMQ client closed: abort what it left open (no one is left to
         read the replies)."""
-        return [a for who, req_id in list(self.by_client) if who == identity
+        return [a for who, req_id in [*self.by_client, *self.compiling] if who == identity
                 for a in self.abort(who, req_id, "request.client_gone")]
 
     def abort(self, identity: bytes, req_id: str, event: str) -> list[Outbound]:
         """The client's open request req_id, if any, as an Abort for its scheduler (logged as
         `event`); the request stays open until the scheduler's terminal reply."""
+        if (waiting := self.compiling.get((identity, req_id))) is not None:
+            waiting.aborted = event  # answered by `compiled`, which the wake brings soon
+            self.wake()
+            return []
         rid = self.by_client.get((identity, req_id))
         if not rid:
             return []
@@ -136,11 +161,12 @@ class Frontend:
 
     def submit(self, identity: bytes, req: m.GenerateRequest, now: float,
                peer: str = "") -> tuple[list[Reply], list[Outbound]]:
-        """A decoded request from any front end (ZMQ, HTTP) -> a refusal, or the encoded
-        TokenizedRequest of a request now open."""
+        """A decoded request from any front end (ZMQ, HTTP) -> a refusal, the encoded
+        TokenizedRequest of a request now open, or nothing while its grammar compiles
+        (`compiled` answers it then)."""
         try:
             check_request(req, self.limits)
-            return self._open(identity, req, now)
+            return self._open(identity, req, now, peer)
         except RequestError as e:
             return self._reject(identity, req.req_id, e.message, e.code, peer)
         except Exception as e:  # a bug of ours: this request fails, the actor keeps serving
@@ -154,21 +180,31 @@ class Frontend:
         return [(identity, m.ErrorReply(req_id=req_id, message="internal error: "
                                         f"{type(e).__name__}", code=500))], []
 
-    def _open(self, identity: bytes, req: m.GenerateRequest,
-              now: float) -> tuple[list[Reply], list[Outbound]]:
+    def _open(self, identity: bytes, req: m.GenerateRequest, now: float, peer: str = "",
+              compiled: tuple[list[int], str, str] | None = None
+              ) -> tuple[list[Reply], list[Outbound]]:
+        """compiled: (ids, kind, grammar) of a request whose grammar has compiled since its
+        checks (`compiled`); without it, a request with a constraint starts its compile."""
         if not self.accepting:
             raise RequestError(self.refusal, 503)
-        if not req.req_id:
-            raise RequestError("req_id must be a non-empty string", param="req_id")
-        if (identity, req.req_id) in self.by_client:
-            raise RequestError(f"req_id {req.req_id[:64]!r} is already open on this connection",
-                               param="req_id")
-        ids = self.tokenize(req)
-        self._check_params(req)
-        constraint = self.constraint(req)
-        if len(ids) >= self.model.context_length:
-            raise RequestError(f"prompt has {len(ids)} tokens; the model's context is "
-                               f"{self.model.context_length} tokens, output included")
+        if compiled is None:
+            if not req.req_id:
+                raise RequestError("req_id must be a non-empty string", param="req_id")
+            key = (identity, req.req_id)
+            if key in self.by_client or key in self.compiling:
+                raise RequestError(f"req_id {req.req_id[:64]!r} is already open on this "
+                                   "connection", param="req_id")
+            ids = self.tokenize(req)
+            self._check_params(req)
+            given = self._constraint_source(req)
+            if len(ids) >= self.model.context_length:
+                raise RequestError(f"prompt has {len(ids)} tokens; the model's context is "
+                                   f"{self.model.context_length} tokens, output included")
+            if given is not None:
+                return self._compile(identity, req, now, peer, ids, *given)
+            constraint = ("", "")
+        else:
+            ids, constraint = compiled[0], compiled[1:]
         rid = f"{self._prefix}-{next(self._ids)}"
         group = f"{identity.hex()}/{req.group}" if req.group else ""
         # Encoded before the request is registered: nothing after this line can fail.
@@ -212,30 +248,73 @@ class Frontend:
         if any(not s for s in req.stop):
             raise RequestError("stop: a stop string must not be empty", param="stop")
 
-    def constraint(self, req: m.GenerateRequest) -> tuple[str, str]:
-        """The request's constraint as (kind, compiled grammar), ("", "") for none;
-        RequestError naming the field the grammar library refused or took too long on."""
+    def _constraint_source(self, req: m.GenerateRequest) -> tuple[str, str] | None:
+        """The request's constraint as (kind, source), None for none; RequestError when it
+        gives more than one."""
         given = [(kind, source) for kind, source in (
             ("json_schema", req.json_schema), ("regex", req.regex), ("ebnf", req.ebnf),
             ("structural_tag", req.structural_tag)) if source]
         if not given:
-            return "", ""
+            return None
         if len(given) > 1:
             raise RequestError(f"give at most one of json_schema, regex, ebnf and "
                                f"structural_tag, not {' and '.join(k for k, _ in given)}",
                                param=given[1][0])
-        kind, source = given[0]
+        return given[0]
+
+    def _compile(self, identity: bytes, req: m.GenerateRequest, now: float, peer: str,
+                 ids: list[int], kind: str, source: str) -> tuple[list[Reply], list[Outbound]]:
         if self._specials is None:
             self._specials = self.tokenizer.specials()
-        job = self._compiler.submit(compile_constraint, kind, source, self._specials)
+        job = self.compiles.start(kind, source, self._specials, self.wake)
+        if job is None:
+            raise RequestError(f"{kind}: {self.compiles.most} grammars are compiling already; "
+                               "retry when one is done", 503, param=kind)
+        self.compiling[(identity, req.req_id)] = Compiling(
+            identity, req, now, peer, ids, kind, job, now + self.limits.grammar_timeout_s)
+        self.wake()  # a new deadline for the shell to wait for
+        return [], []
+
+    def next_deadline(self) -> float | None:
+        """When the first compile still running times out (None: none is running)."""
+        return min((c.deadline for c in self.compiling.values()), default=None)
+
+    def compiled(self, now: float) -> tuple[list[Reply], list[Outbound]]:
+        """Every request whose compile ended, timed out or was aborted meanwhile, opened or
+        answered: (replies to clients, encoded messages for the schedulers)."""
+        replies: list[Reply] = []
+        forward: list[Outbound] = []
+        for key, c in list(self.compiling.items()):
+            if not (c.aborted or c.job.done() or now >= c.deadline):
+                continue
+            del self.compiling[key]
+            if c.aborted:
+                self.log.info(c.aborted, req_id=c.req.req_id, compiling=c.kind)
+                replies.append((c.identity, m.Finished(
+                    req_id=c.req.req_id, text="", token_ids=[], finish_reason="abort",
+                    prompt_tokens=len(c.ids), completion_tokens=0, total_s=now - c.received)))
+                continue
+            out, fwd = self._opened(c, now)
+            replies += out
+            forward += fwd
+        return replies, forward
+
+    def _opened(self, c: Compiling, now: float) -> tuple[list[Reply], list[Outbound]]:
         timeout = self.limits.grammar_timeout_s
         try:
-            return kind, job.result(timeout=timeout)
-        except GrammarError as e:
-            raise RequestError(f"{kind}: {e}", param=kind) from None
-        except CompileTimeout:
-            raise RequestError(f"{kind}: did not compile within limits.grammar_timeout_s "
-                               f"({timeout:g} s)", param=kind) from None
+            if not c.job.done():  # its thread runs on; the request no longer waits for it
+                raise RequestError(f"{c.kind}: did not compile within "
+                                   f"limits.grammar_timeout_s ({timeout:g} s)", param=c.kind)
+            try:
+                grammar = c.job.result()
+            except GrammarError as e:
+                raise RequestError(f"{c.kind}: {e}", param=c.kind) from None
+            return self._open(c.identity, c.req, c.received, c.peer,
+                              compiled=(c.ids, c.kind, grammar))
+        except RequestError as e:
+            return self._reject(c.identity, c.req.req_id, e.message, e.code, c.peer)
+        except Exception as e:  # a bug of ours: this request fails, the actor keeps serving
+            return self._internal_error(c.identity, c.req.req_id, c.peer, e)
 
     def tokenize(self, req: m.GenerateRequest) -> list[int]:
         """A request's prompt tokens (its text, token ids or chat messages rendered by the
@@ -343,8 +422,11 @@ class Frontend:
         """End every open request with an error (shutdown, a dead actor)."""
         replies = [(r.identity, m.ErrorReply(req_id=r.req_id, message=message, code=code))
                    for r in self.open.values()]
+        replies += [(c.identity, m.ErrorReply(req_id=c.req.req_id, message=message, code=code))
+                    for c in self.compiling.values()]
         self.open.clear()
         self.by_client.clear()
+        self.compiling.clear()
         return replies
 
 

@@ -289,7 +289,7 @@ def test_a_stop_token_ends_the_request_with_reason_stop(steps, tiny_model, how):
 
 
 def test_a_step_in_flight_past_the_finish_is_dropped_and_then_frees_the_row(steps):
-    """DESIGN 4: a request that finishes at step N may already sit in step N+1; its output there
+    """docs/architecture.md, section 5: a request that finishes at step N may already sit in step N+1; its output there
     is dropped, and its row is released only after N+1 returns."""
     if not steps.overlap:
         pytest.skip("needs a second step in flight")

@@ -1,4 +1,4 @@
-"""The deferred op queue (DESIGN section 5), as the scheduler core emits it for a hybrid model
+"""The deferred op queue (docs/architecture.md, section 6), as the scheduler core emits it for a hybrid model
 with the prefix cache on: the right ops, in the right order, in the right batch."""
 
 from protocol import messages as m

@@ -7,7 +7,7 @@ another actor (a token to send on, an HTTP chunk to write) or of the runner's ow
 thread lands on whichever core, and where it preempts the stream thread the whole step
 waits, while a preempted pool worker costs nothing (the stream thread takes its tasks). On 2
 cores, qwen3-small-4bit served at one request, paired 3 s windows in one graph
-(BENCHMARKS.md, "A core for the stream thread"): +12-14% tokens/s with the stream thread
+(docs/performance.md, "Pinning: a core for the stream thread"): +12-14% tokens/s with the stream thread
 alone on one core and everything else on the other, +6% with only the stream thread pinned;
 float32 +3%.
 
