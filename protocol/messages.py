@@ -251,7 +251,7 @@ class Shutdown(Wire, tag=_tag("Shutdown")):
 class OpKind(IntEnum):
     """Deferred memory ops, decided by the scheduler (actors/scheduler/ops.py), applied by the
     runner (actors/model_runner/storage.py) at the start of the forward they ride with, in list
-    order (DESIGN section 5). The value is the wire format: never renumber."""
+    order (docs/architecture.md, section 6). The value is the wire format: never renumber."""
 
     CLEAR = 0  # state slot `dst` starts from zeros (a request with no usable prefix)
     COPY = 1  # state `src` -> `dst`: a prefix hit copies the node's snapshot (the node keeps it)
@@ -394,8 +394,8 @@ class ActorFailed(Wire, tag=_tag("ActorFailed")):
     message: str
 
 
-# Layer kinds, by the mlx-lm cache object each layer gets (DESIGN section 5): what a request
-# keeps per layer, so what a cached prefix would have to hold for it.
+# Layer kinds, by the mlx-lm cache object each layer gets (docs/architecture.md, section 7):
+# what a request keeps per layer, so what a cached prefix would have to hold for it.
 LAYER_FULL = "full"  # KVCache: K and V of every position
 LAYER_SLIDING = "sliding"  # RotatingKVCache: K and V of the last `window` positions only
 LAYER_RECURRENT = "recurrent"  # ArraysCache (gated delta nets, Mamba): one state

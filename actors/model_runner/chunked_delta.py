@@ -1,6 +1,7 @@
-"""The gated delta rule of hybrid models' linear-attention layers off Metal (DESIGN section 5):
-through the compiled kernel (mas_kernels.gated_delta, token by token, prompt chunks and decode
-rows alike) where it is built, else a prompt chunk's in blocks of matrix products (below).
+"""The gated delta rule of hybrid models' linear-attention layers off Metal
+(docs/architecture.md, section 10): through the compiled kernel (mas_kernels.gated_delta, token
+by token, prompt chunks and decode rows alike) where it is built, else a prompt chunk's in
+blocks of matrix products (below).
 
 Per value head, with state S (Dv x Dk), gate g_t in (0, 1], beta_t in (0, 1) and unit-norm
 keys, mlx-lm's recurrence is

@@ -1,5 +1,5 @@
 """The decode batch: every decoding row's caches, one batched cache per layer, laid out by
-position (DESIGN section 4's decode batch, in a layout the runner owns).
+position, in a layout the runner owns (docs/architecture.md, section 8).
 
 Why not mlx-lm's BatchKVCache: it keeps rows left padded to a common end, so a row that leaves
 (filter, extract) or joins (extend) copies the KV of every other row, and it holds rows x the

@@ -1,5 +1,5 @@
-"""What each layer of the model keeps per request, found once at launch (DESIGN section 5,
-"Layer kinds and what a cached prefix holds for each").
+"""What each layer of the model keeps per request, found once at launch (docs/architecture.md,
+section 7, "Layer kinds and the prefix cache").
 
 The mlx-lm cache object a layer gets from `make_prompt_cache` is what the runner keeps for a
 request, so it decides the layer's kind (protocol.messages LAYER_*):

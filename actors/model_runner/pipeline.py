@@ -1,4 +1,4 @@
-"""The overlap pipeline (DESIGN section 3, step 4): at most one launched step whose result is
+"""The overlap pipeline (docs/architecture.md, section 9): at most one launched step whose result is
 not read back yet, and the "before host sync" hook that keeps it from waiting behind the next.
 
 Launching step N+1 first and then reading step N back keeps the MLX stream fed while Python

@@ -1,6 +1,6 @@
-"""The runner's row table: the runner side of the FutureMap (DESIGN section 4) and what each
-request-pool row holds between steps. The scheduler addresses everything by row id; row 0 is
-padding.
+"""The runner's row table: the runner side of the FutureMap (docs/architecture.md, section 5)
+and what each request-pool row holds between steps. The scheduler addresses everything by row
+id; row 0 is padding.
 
 Where a row is, by state:
 - `token_buf[row]`: the token the row sampled last. A row belongs to one request from

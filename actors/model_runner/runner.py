@@ -1,9 +1,9 @@
 """The model runner's core: one ForwardBatch in, one StepResult out. Runs on the MLX thread.
 
-Per step, in this order (DESIGN section 3): the batch's ops on the pools, released rows,
-admissions, the rows that keep decoding, the prefill chunks, the decode forward (with the last
-prompt token of every prompt that completes in this step), then each sampled token into
-token_buf.
+Per step, in this order (docs/architecture.md, section 4): the batch's ops on the pools,
+released rows, admissions, the rows that keep decoding, the prefill chunks, the decode forward
+(with the last prompt token of every prompt that completes in this step), then each sampled
+token into token_buf.
 
 This file is the step's order only. What each row holds between steps and token_buf (the
 runner side of the FutureMap): rows.py. The KV and state pools and the ops on them:

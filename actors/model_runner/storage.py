@@ -150,8 +150,9 @@ class StatePool:
 
 class Pools:
     """Both pools (either may be missing: no KV slots configured, or no recurrent layer) and the
-    scheduler's ops on them, applied in batch order before the step's forward (DESIGN
-    section 5). An op the runner cannot carry out is a StepError: the scheduler sent it."""
+    scheduler's ops on them, applied in batch order before the step's forward
+    (docs/architecture.md, section 6). An op the runner cannot carry out is a StepError: the
+    scheduler sent it."""
 
     def __init__(self, layers: Layers, kv: KvPool | None, states: StatePool | None):
         self.layers, self.kv, self.states = layers, kv, states

@@ -3,8 +3,8 @@
 A sliding-window layer (mlx-lm's RotatingKVCache) attends to the last `window` positions
 only, so a cached prefix cannot be rebuilt from the KV pool's per-token slots the way a
 full-attention layer is: its K and V of the window before the prefix's end are kept instead,
-like a recurrent layer's state, in the state pool at the radix node (DESIGN section 5, "Layer
-kinds and what a cached prefix holds for each"). The value is what mlx-lm's own merge keeps
+like a recurrent layer's state, in the state pool at the radix node (docs/architecture.md,
+section 7, "Layer kinds and the prefix cache"). The value is what mlx-lm's own merge keeps
 of a cache: the last min(offset, window) positions in time order. Its offset is the prefix's
 length, which the restore knows (the state is restored with the prefix's KV slots, as a
 recurrent layer's is).

@@ -1,5 +1,5 @@
-"""The FutureMap, scheduler side (DESIGN section 3): which rows' inputs are futures, and the
-steps in flight that pin what they touch.
+"""The FutureMap, scheduler side (docs/architecture.md, section 5): which rows' inputs are
+futures, and the steps in flight that pin what they touch.
 
 A decode row never carries its input token: its input is "whatever this row sampled last",
 which the runner resolves from its token buffer (`token_buf[row]`, model_runner/rows.py). So

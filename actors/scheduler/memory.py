@@ -1,5 +1,6 @@
 """The scheduler's memory: KV slots, recurrent-state slots, the radix prefix tree, and the
-deferred ops (ops.py) that tell the runner what to do with its own memory (DESIGN section 5).
+deferred ops (ops.py) that tell the runner what to do with its own memory (docs/architecture.md,
+sections 6 and 8).
 
 What a request holds:
 - `slots[:tree_len]` belong to the tree (locked through `req.lock`), `slots[tree_len:]` are its

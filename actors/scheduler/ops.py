@@ -1,5 +1,6 @@
-"""The scheduler's queue of deferred memory ops (DESIGN section 5; the vocabulary is
-protocol.messages.OpKind, applied by the runner in actors/model_runner/storage.py).
+"""The scheduler's queue of deferred memory ops (docs/architecture.md, section 6; the
+vocabulary is protocol.messages.OpKind, applied by the runner in
+actors/model_runner/storage.py).
 
 Memory decisions are made here, on ids only; the runner carries them out at the start of the
 forward they ride with, in the order they were queued, so no op races a step. Everything queued

@@ -1,6 +1,6 @@
 """What the radix tree can hold for the served model, decided from the layer kinds the runner
-found when it loaded it (ModelLayers; DESIGN section 5, "Layer kinds and what a cached prefix
-holds for each").
+found when it loaded it (ModelLayers; docs/architecture.md, section 7, "Layer kinds and the
+prefix cache").
 
 A radix node restores a prefix from KV slots (full-attention layers) and, for hybrid and
 sliding-window models, a state snapshot (recurrent layers' states; sliding-window layers' last

@@ -1,6 +1,6 @@
-"""Retraction (DESIGN section 3): when the running requests' next tokens do not fit in KV
-memory, the least advanced one gives its memory back and returns to the head of the queue. It is
-recomputed later from prompt + output so far, so its greedy tokens do not change.
+"""Retraction (docs/architecture.md, section 8): when the running requests' next tokens do not
+fit in KV memory, the least advanced one gives its memory back and returns to the head of the
+queue. It is recomputed later from prompt + output so far, so its greedy tokens do not change.
 
 A request with steps in flight is only marked (`Request.retracting`): its row and slots may
 still be written, so it is requeued when its last step returns (future_map.py).

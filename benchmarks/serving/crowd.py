@@ -122,7 +122,10 @@ def main(argv: list[str] | None = None) -> int:
     maker = PromptMaker(load_tokenizer(model_dir))
     prompts = {c: [maker.make(args.prompt_tokens, seed=1000 * c + k) for k in range(c)]
                for c in args.concurrency}
+    from actors.model_runner.cpu import blas
+
     report: dict[str, Any] = {"machine": machine(), "model": Path(model_dir).name,
+                              "blas": blas.find(args.blas) or "bundled",
                               "when": time.strftime("%Y-%m-%d %H:%M"), "args": sys.argv[1:],
                               "prompt_tokens": args.prompt_tokens,
                               "output_tokens": args.output_tokens}
@@ -161,8 +164,9 @@ def render(report: dict[str, Any]) -> str:
     bare_rows = {int(k): v for k, v in report["bare"].items()}
     theirs = {r["concurrency"]: r for r in report.get("mlx_lm", [])}
     m = report["machine"]
+    blas = f", BLAS `{Path(str(report['blas'])).name}`" if report.get("blas") else ""
     lines = [f"Measured by `python -m benchmarks.serving.crowd {' '.join(report['args'])}` on "
-             f"{report['when']}: {m['cpu']}, {m['cores']} cores, Python {m['python']}. Model "
+             f"{m['cpu']}, {m['cores']} cores, Python {m['python']}{blas}. Model "
              f"`{report['model']}`, default config: max_running_requests = "
              f"{report['max_running_requests']} ({report['max_running_requests_why']}). "
              f"Prompts of {report['prompt_tokens']} tokens, exactly {report['output_tokens']} "
@@ -196,7 +200,8 @@ def render(report: dict[str, Any]) -> str:
 
 
 def write_markdown(path: Path, report: dict[str, Any]) -> None:
-    """Replace the section for this model between its markers (added at the end if new)."""
+    """Replace the section for this model between its markers (added at the end if new). The
+    section names the command and the machine; the run's timestamp stays in the JSON."""
     begin, end = (f"<!-- crowd {report['model']}:{edge} -->" for edge in ("begin", "end"))
     section = f"{begin}\n{render(report)}{end}"
     text = path.read_text() if path.is_file() else ""

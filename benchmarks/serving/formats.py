@@ -15,8 +15,9 @@ through the OpenAI streaming endpoint as benchmarks/serving/run.py's sweep is (c
 serves, its model runner's RSS is read from /proc. Roofline: a decode step at batch 1 reads
 every weight once (tied embeddings once, as the LM head; the embedding lookup is one row), so
 bandwidth / weight bytes bounds tok/s at c = 1, with the bandwidth of a numpy sum over 1 GiB
-measured at the start. Writes JSON, and the block between the formats markers of BENCHMARKS.md
-(the main benchmark keeps that block when it rewrites the file).
+measured at the start. Writes JSON (with the run's timestamp), and the block between the
+formats markers of BENCHMARKS.md, headed by the command and the machine (the main benchmark
+keeps that block when it rewrites the file).
 """
 
 from __future__ import annotations
@@ -36,7 +37,8 @@ import numpy as np
 from tqdm import tqdm
 
 from benchmarks.serving.load import PromptMaker, Target, closed_loop, summarize
-from benchmarks.serving.report import OURS, THEIRS, _f, _ms, _rel, put_formats_block
+from benchmarks.serving.report import (OURS, THEIRS, _f, _ms, _rel, machine_text,
+                                       put_formats_block)
 from benchmarks.serving.run import machine
 from benchmarks.serving.servers import mlx_lm_server, ours
 from harness.graph import ROOT
@@ -299,9 +301,8 @@ def markdown(results: dict[str, Any], json_path: Path, md_path: Path) -> str:
     m, lo, hi = results["machine"], min(results["concurrency"]), max(results["concurrency"])
     lines = [
         "## Stored formats", "",
-        f"Measured by `{results['command']}` on {results['date']}: {m['cpu']}, {m['cores']} "
-        f"cores, {m['system']}, Python {m['python']}. Model `{results['model']}`, BLAS "
-        f"`{os.path.basename(str(results['blas']))}` for both servers. Prompts of "
+        f"Measured by `{results['command']}` on {machine_text(m)}. Model `{results['model']}`, "
+        f"BLAS `{os.path.basename(str(results['blas']))}` for both servers. Prompts of "
         f"{results['prompt_tokens']} tokens, exactly {results['output_tokens']} output tokens, "
         f"greedy, {results['waves']} wave(s) of `c` requests per level (at least "
         f"{results.get('min_requests', 2)} requests), streamed by the "

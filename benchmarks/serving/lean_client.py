@@ -8,7 +8,7 @@ measures. The official `openai` client spends 0.63-0.71 ms of CPU per streamed t
 one pydantic object per event), more than our tokenizer, scheduler or detokenizer each at
 c = 1, and the faster a server streams, the more of its cores the client takes. This one
 spends 0.18-0.21 ms (qwen3-small-4bit served at c = 1, the event loop and the kernel's socket work
-included; BENCHMARKS.md, "Served c = 1: the benchmark's client"). It is a measuring
+included; docs/performance.md, "Measuring on a shared 2-core machine"). It is a measuring
 instrument, not a user's client (the e2e tests keep the official one);
 `load.closed_loop(client_kind="lean")` picks it, the same for every server in a run.
 """

@@ -25,6 +25,8 @@ from typing import Any
 
 from benchmarks.serving.formats import F32, checkpoints
 from benchmarks.serving.load import PromptMaker, one_lean
+from benchmarks.serving.report import machine_text
+from benchmarks.serving.run import machine
 from benchmarks.serving.servers import ours
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -75,7 +77,8 @@ async def take_turns(targets: dict[str, Any], prompts: list[str], output_tokens:
 
 def markdown(result: dict[str, Any]) -> str:
     names = list(result["formats"])
-    lines = [f"Measured by `{result['command']}` on {result['date']}: {result['pairs']} pairs "
+    where = f" on {machine_text(result['machine'])}" if result.get("machine") else ""
+    lines = [f"Measured by `{result['command']}`{where}: {result['pairs']} pairs "
              f"of requests ({result['prompt_tokens']}-token prompts, exactly "
              f"{result['output_tokens']} output tokens, greedy, the lean client), the "
              "formats' graphs up at once and taking turns.", "",
@@ -126,7 +129,8 @@ def main(argv: list[str] | None = None) -> int:
         runs = asyncio.run(take_turns(targets, prompts, args.output_tokens, args.warmup))
     result = {"command": "python -m benchmarks.serving.paired "
                          + " ".join(argv if argv is not None else sys.argv[1:]),
-              "date": time.strftime("%Y-%m-%d %H:%M"), "model": args.model,
+              "date": time.strftime("%Y-%m-%d %H:%M"), "machine": machine(),
+              "model": args.model,
               "pairs": args.pairs, "prompt_tokens": args.prompt_tokens,
               "output_tokens": args.output_tokens, **summarize(args.formats, runs)}
     print(markdown(result))

@@ -1,7 +1,9 @@
 """The benchmark's report: BENCHMARKS.md (tables, ratios, targets met or missed) and the
 throughput-vs-concurrency plot. Text after the NOTES marker in an existing BENCHMARKS.md is
-kept, so the analysis written by hand survives a re-run, and so is the block between the
-FORMATS markers (written by benchmarks/serving/formats.py, a run of its own)."""
+kept, so the other benchmarks' sections (written by hand or by their own commands) survive a
+re-run, and so is the block between the FORMATS markers (written by
+benchmarks/serving/formats.py, a run of its own). The markdown names the command and the
+machine, not the date: the run's timestamp stays in results.json."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ from typing import Any
 OURS, THEIRS, PEER = "mlx-actor-serve", "mlx_lm.server", "vllm-mlx"
 NOTES = "<!-- notes: kept when the benchmark rewrites this file -->"
 FORMATS = ("<!-- formats:begin -->", "<!-- formats:end -->")
+FINDINGS = Path(__file__).resolve().parents[2] / "docs" / "performance.md"
 
 
 def _ms(x: float) -> str:
@@ -78,10 +81,13 @@ def write_markdown(results: dict[str, Any], path: Path, plot: Path) -> str:
     m = results["machine"]
     lines = [
         "# Benchmarks", "",
-        f"Measured by `{results['command']}` on {results['date']}: {m['cpu']}, {m['cores']} "
-        f"cores, {m['system']}, Python {m['python']}. Model `{results['model']}`, BLAS "
-        f"`{os.path.basename(str(results['blas']))}` for every party (ours, mlx_lm.server, bare "
-        f"loop). Prompts of {results['prompt_tokens']} tokens, exactly "
+        "Every table here is headed by the command that regenerates it (run from the "
+        "repository root) and the machine it ran on; its raw JSON keeps the run's timestamp. "
+        "What bounds each path, and what was tried and did not help, is in "
+        f"[docs/performance.md]({_rel(FINDINGS, path)}).", "",
+        f"Measured by `{results['command']}` on {machine_text(m)}. Model "
+        f"`{results['model']}`, BLAS `{os.path.basename(str(results['blas']))}` for every party "
+        f"(ours, mlx_lm.server, bare loop). Prompts of {results['prompt_tokens']} tokens, exactly "
         f"{results['output_tokens']} output tokens (EOS ignored), greedy. Raw numbers: "
         f"`{_rel(plot.parent / 'results.json', path)}`.", "",
         f"![throughput vs concurrency]({_rel(plot, path)})", "",
@@ -139,6 +145,11 @@ def write_markdown(results: dict[str, Any], path: Path, plot: Path) -> str:
     block = formats_block(head)
     path.write_text(text + "\n" + (block + "\n\n" if block else "") + NOTES + (kept or "\n"))
     return text
+
+
+def machine_text(m: dict[str, Any]) -> str:
+    """The machine a run's markdown names: CPU, cores, system, Python (no date)."""
+    return f"{m['cpu']}, {m['cores']} cores, {m['system']}, Python {m['python']}"
 
 
 def formats_block(text: str) -> str:

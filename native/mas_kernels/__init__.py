@@ -1,4 +1,4 @@
-"""CPU kernels for stored weight formats, as MLX primitives (DESIGN.md section 5b).
+"""CPU kernels for stored weight formats, as MLX primitives (docs/architecture.md, section 10).
 
     affine_qmm(x, w, scales, biases, group_size=64, bits=4, *, stream=None) -> mx.array
     affine_qmm_many(x, weights, group_size, bits, *, stream=None) -> tuple[mx.array, ...]

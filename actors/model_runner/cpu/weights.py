@@ -1,4 +1,5 @@
-"""Weights kept as stored (4-bit, 8-bit, bf16, ...) and multiplied fast on the CPU (DESIGN 5b).
+"""Weights kept as stored (4-bit, 8-bit, bf16, ...) and multiplied fast on the CPU
+(docs/architecture.md, section 10).
 
 On x86 CPUs MLX's `quantized_matmul` and its bf16 matmul are scalar code, 5-60x slower than a
 float32 product through MKL, while decode is bound by the bytes of weights read (a 4-bit weight
