@@ -8,6 +8,7 @@ from protocol import messages as m
 from actors.scheduler import core
 from actors.scheduler.core import Scheduler
 from actors.scheduler.request import Phase
+from tests.support.driver import Driver, Scripted
 
 P = m.SamplingParams
 TURN = list(range(1, 301))  # an agent's first prompt (300 tokens: 5 chunks of 64)
@@ -18,62 +19,52 @@ def make(chunk=64):
                      kv_slots=8192, prefix_cache=True)
 
 
-def step(s, order: list[str]) -> m.ForwardBatch | None:
-    """One step, its sampled rows answered with a token; each finished rid appended to order
-    (every request asks for one token: it finishes with its prefill)."""
-    b = s.schedule()
-    if b is not None:
-        rows = [r for r, smp in zip(b.rows, b.sample) if smp]
-        out = s.on_result(m.StepResult(step=b.step, rows=rows, tokens=[7] * len(rows)))
-        order += [f.rid for f in out.finished]
-    return b
-
-
-def served_first_turn(s) -> None:
-    s.add("turn-1", TURN, P(max_new_tokens=1))
-    while step(s, []) is not None:
-        pass
+def served_first_turn(s) -> Driver:
+    """The first turn run to its end. The driver answers every sampled row with 7; every
+    request asks for one token, so it finishes with its prefill, and `list(d.finished)` is
+    the order they finished in."""
+    d = Driver(s, Scripted(s, default=7))
+    d.add("turn-1", TURN, P(max_new_tokens=1))
+    d.run()
+    return d
 
 
 def test_a_cached_turn_finishes_before_long_prompts_queued_ahead_of_it():
     s = make()
-    served_first_turn(s)
-    s.add("long-a", list(range(1000, 1300)), P(max_new_tokens=1))
-    s.add("long-b", list(range(2000, 2300)), P(max_new_tokens=1))
-    s.add("turn-2", TURN + [5, 6, 7], P(max_new_tokens=1))
-    order: list[str] = []
-    first = step(s, order)
+    d = served_first_turn(s)
+    d.add("long-a", list(range(1000, 1300)), P(max_new_tokens=1))
+    d.add("long-b", list(range(2000, 2300)), P(max_new_tokens=1))
+    d.add("turn-2", TURN + [5, 6, 7], P(max_new_tokens=1))
+    first = d.step()
     # The turn's 3 uncached tokens (after its 300 cached) and the head's first chunk share
     # the step's budget; the turn has its token at once.
     assert sorted(zip(first.start_pos, first.input_lens)) == [(0, 61), (300, 3)]
-    assert order == ["turn-2"] and s.requests["long-b"].phase is Phase.QUEUED
-    while step(s, order) is not None:
-        pass
-    assert order == ["turn-2", "long-a", "long-b"]
+    assert list(d.finished) == ["turn-1", "turn-2"]
+    assert s.requests["long-b"].phase is Phase.QUEUED
+    d.run()
+    assert list(d.finished) == ["turn-1", "turn-2", "long-a", "long-b"]
 
 
 def test_a_turn_mostly_not_cached_waits_its_turn():
     s = make()
-    served_first_turn(s)
-    s.add("long-a", list(range(1000, 1300)), P(max_new_tokens=1))
-    s.add("other", TURN[:20] + list(range(3000, 3040)), P(max_new_tokens=1))  # 20 of 60 cached
-    order: list[str] = []
-    while step(s, order) is not None:
-        pass
-    assert order == ["long-a", "other"]
+    d = served_first_turn(s)
+    d.add("long-a", list(range(1000, 1300)), P(max_new_tokens=1))
+    d.add("other", TURN[:20] + list(range(3000, 3040)), P(max_new_tokens=1))  # 20 of 60 cached
+    d.run()
+    assert list(d.finished) == ["turn-1", "long-a", "other"]
 
 
 def test_the_head_is_passed_a_bounded_number_of_times(monkeypatch):
     monkeypatch.setattr(core, "MAX_OVERTAKES", 1)
     s = make()
-    served_first_turn(s)
-    s.add("long-a", list(range(1000, 1300)), P(max_new_tokens=1))
-    s.add("turn-2", TURN + [5], P(max_new_tokens=1))
-    s.add("turn-3", TURN + [6], P(max_new_tokens=1))
-    order: list[str] = []
-    step(s, order)
+    d = served_first_turn(s)
+    d.add("long-a", list(range(1000, 1300)), P(max_new_tokens=1))
+    d.add("turn-2", TURN + [5], P(max_new_tokens=1))
+    d.add("turn-3", TURN + [6], P(max_new_tokens=1))
+    d.step()
     # turn-2 passed long-a; turn-3 may not pass it too, and long-a is admitted after them.
-    assert order == ["turn-2"] and s.requests["turn-3"].phase is Phase.QUEUED
+    assert list(d.finished) == ["turn-1", "turn-2"]
+    assert s.requests["turn-3"].phase is Phase.QUEUED
     assert s.requests["long-a"].phase is Phase.RUNNING
 
 
@@ -82,12 +73,8 @@ def test_the_head_is_passed_a_bounded_number_of_times(monkeypatch):
 def test_without_the_prefix_cache_or_the_rule_admission_is_fifo(switch):
     s = Scheduler(max_running=8, context_length=4096, eos_ids=[99], chunked_prefill_size=64,
                   kv_slots=8192, **switch)
-    s.add("turn-1", TURN, P(max_new_tokens=1))
-    while step(s, []) is not None:
-        pass
-    s.add("long-a", list(range(1000, 1300)), P(max_new_tokens=1))
-    s.add("turn-2", TURN + [5, 6, 7], P(max_new_tokens=1))
-    order: list[str] = []
-    while step(s, order) is not None:
-        pass
-    assert order == ["long-a", "turn-2"]
+    d = served_first_turn(s)
+    d.add("long-a", list(range(1000, 1300)), P(max_new_tokens=1))
+    d.add("turn-2", TURN + [5, 6, 7], P(max_new_tokens=1))
+    d.run()
+    assert list(d.finished) == ["turn-1", "long-a", "turn-2"]

@@ -1,8 +1,10 @@
-"""The scheduler core driven by scripted step results: no model, no sockets."""
+"""The scheduler core driven by scripted step results (tests/support/driver.py): no model, no
+sockets."""
 
 from protocol import messages as m
 from protocol.codec import unpack_ids
 from actors.scheduler.core import Scheduler
+from tests.support.driver import Driver, Scripted
 
 EOS = 99
 
@@ -15,56 +17,6 @@ def make_scheduler(max_running=4, context_length=64, chunk=64, kv_slots=4096, eo
 
 def params(n=5, **kw):
     return m.SamplingParams(max_new_tokens=n, **kw)
-
-
-class Driver:
-    """Plays the runner: each sampled row gets the next token of its request's script."""
-
-    def __init__(self, sched, scripts=None):
-        self.sched, self.scripts = sched, scripts or {}
-        self.tokens, self.finished, self.batches = {}, {}, []
-
-    def collect(self, out):
-        for rid, toks in out.tokens.items():
-            self.tokens.setdefault(rid, []).extend(toks)
-        for fin in out.finished:
-            assert fin.rid not in self.finished, f"{fin.rid} got two terminal replies"
-            self.finished[fin.rid] = fin
-
-    def step(self):
-        batch = self.sched.schedule()
-        self.collect(self.sched.take())
-        if batch is None:
-            return None
-        self.batches.append(batch)
-        self.check(batch)
-        by_row = {r.row: r for r in self.sched.running}
-        by_row.update({r.row: r for r in self.sched.requests.values() if r.row})
-        toks = []
-        for row, s in zip(batch.rows, batch.sample):
-            if s:
-                req = by_row[row]
-                script = self.scripts.get(req.rid, [])
-                i = len(req.output)
-                toks.append(script[i] if i < len(script) else 1000 + i)
-        rows = [r for r, s in zip(batch.rows, batch.sample) if s]
-        self.collect(self.sched.on_result(m.StepResult(step=batch.step, rows=rows, tokens=toks)))
-        return batch
-
-    def check(self, batch):
-        assert len(set(batch.rows)) == len(batch.rows), "a row twice in one step"
-        assert 0 not in batch.rows, "row 0 is padding"
-        owned = {r.row for r in self.sched.requests.values() if r.row}
-        assert set(batch.rows) <= owned
-        assert len(owned) <= self.sched.rows.size
-        ids = unpack_ids(batch.input_ids)
-        assert len(ids) == sum(n for n, f in zip(batch.input_lens, batch.future) if not f)
-
-    def run(self, limit=200):
-        for _ in range(limit):
-            if self.step() is None and self.sched.idle:
-                return
-        raise AssertionError("did not finish")
 
 
 def test_requests_run_to_length_and_free_everything():
@@ -81,7 +33,7 @@ def test_requests_run_to_length_and_free_everything():
 
 def test_eos_and_stop_token_ids_stop_with_reason_stop():
     s = make_scheduler()
-    d = Driver(s, {"a": [5, 6, EOS, 7], "b": [5, 42, 8], "c": [EOS]})
+    d = Driver(s, Scripted(s, {"a": [5, 6, EOS, 7], "b": [5, 42, 8], "c": [EOS]}))
     d.collect(s.add("a", [1], params(10)))
     d.collect(s.add("b", [1], params(10, stop_token_ids=[42])))
     d.collect(s.add("c", [1], params(10, ignore_eos=True)))
@@ -94,7 +46,7 @@ def test_eos_and_stop_token_ids_stop_with_reason_stop():
 def test_every_eos_id_of_the_model_stops():
     """Models with several EOS ids (Llama 3's <|end_of_text|>, <|eom_id|>, <|eot_id|>)."""
     s = make_scheduler(eos_ids=[EOS, 98])
-    d = Driver(s, {"a": [5, 98, 7], "b": [5, 6, EOS]})
+    d = Driver(s, Scripted(s, {"a": [5, 98, 7], "b": [5, 6, EOS]}))
     d.collect(s.add("a", [1], params(10)))
     d.collect(s.add("b", [1], params(10)))
     d.run()
@@ -268,8 +220,9 @@ def test_abort_mid_chunked_prefill_is_torn_down_at_the_next_pass():
     second = s.schedule()  # overlap: chunk 2 built before chunk 1 returned
     assert first.input_lens == [4] and second.start_pos == [4]
     s.abort("long")
-    third = s.schedule()  # the next pass builds no more chunks for it
-    assert third is None or third.rows == []
+    # The next pass builds nothing: no more chunks for it, and its row is not released while
+    # two steps carry it.
+    assert s.schedule() is None
     out = s.on_result(m.StepResult(step=1, rows=[], tokens=[]))
     assert [(f.rid, f.reason) for f in out.finished] == [("long", "abort")]
     assert s.rows.owned  # chunk 2 is still in flight: the row and slots stay held

@@ -4,6 +4,7 @@ with the prefix cache on: the right ops, in the right order, in the right batch.
 from protocol import messages as m
 from protocol.codec import unpack_ids
 from actors.scheduler.core import Scheduler
+from tests.support.driver import Driver, Scripted
 
 EOS = 99
 P = m.SamplingParams
@@ -19,14 +20,10 @@ def kinds(batch):
     return [op.kind for op in batch.ops]
 
 
-def finish(s, batch, token=EOS):
-    rows = [r for r, smp in zip(batch.rows, batch.sample) if smp]
-    return s.on_result(m.StepResult(step=batch.step, rows=rows, tokens=[token] * len(rows)))
-
-
-def run_to_idle(s):
-    while (b := s.schedule()) is not None:
-        finish(s, b)
+def driver(s, scripts=None):
+    """Steps built by hand (d.build(): to look at them, or to build the next before landing
+    one) or run to the end; a sampled row gets its request's scripted token, past it EOS."""
+    return Driver(s, Scripted(s, scripts, default=EOS))
 
 
 def test_fresh_request_gets_a_clear_of_its_live_state():
@@ -54,18 +51,19 @@ def test_chunk_boundary_snapshots_the_live_state_in_the_batch_of_the_next_chunk(
 
 def test_finish_donates_the_live_slot_and_a_hit_copies_it():
     s = make(chunk=64)
+    d = driver(s, {"a": [7], "b": [7]})
     prompt = list(range(1, 11))
     s.add("a", prompt, P(max_new_tokens=1))
-    b = s.schedule()
+    b = d.build()
     live = b.admit_states[0]
     # The chunk ends before the prompt's last token, so the state there is snapshotted.
     assert b.input_lens == [9]
-    last = s.schedule()
+    last = d.build()
     assert kinds(last) == [m.OpKind.KV_SAVE, m.OpKind.SNAPSHOT] and last.input_lens == [1]
     snapshot = last.ops[1].dst
-    finish(s, b)
-    finish(s, last, token=7)  # max_new_tokens=1: ends here, nothing in flight
-    release = s.schedule()
+    d.land()
+    d.land()  # "a" samples 7: max_new_tokens=1 ends it here, nothing in flight
+    release = d.build()
     # Its KV is saved, its live state slot is donated (no copy, no snapshot), its row freed.
     assert kinds(release) == [m.OpKind.KV_SAVE, m.OpKind.DONATE]
     assert release.release_rows == b.rows
@@ -74,38 +72,41 @@ def test_finish_donates_the_live_slot_and_a_hit_copies_it():
     assert len(unpack_ids(release.ops[0].slots)) == 1  # the 9 before were saved already
     node = s.memory.tree.match(prompt, need_state=True).node
     assert node.state == live and live in s.memory.states.owned  # now held by the tree
-    finish(s, release)
+    d.land()
     # Same prompt again: the prefix (all but the last prompt token is usable) must resume
     # from a state snapshot: the one taken before the last prompt token.
     s.add("b", prompt, P(max_new_tokens=1))
-    hit = s.schedule()
+    hit = d.build()
     assert kinds(hit) == [m.OpKind.KV_LOAD, m.OpKind.COPY]
     load, copy = hit.ops
     assert load.dst == hit.rows[0] and len(unpack_ids(load.slots)) == 9
     assert copy.src == snapshot and copy.dst == hit.admit_states[0] != live
     assert hit.start_pos == [9] and hit.input_lens == [1]
-    finish(s, hit, token=7)
+    d.land()  # "b" samples 7
     # A longer prompt resumes from the donated state at the end of the first request.
     s.add("c", prompt + [5, 6], P(max_new_tokens=1))
-    longer = s.schedule()
+    longer = d.build()
     assert longer.start_pos == [10] and kinds(longer)[-2:] == [m.OpKind.KV_LOAD, m.OpKind.COPY]
     assert longer.ops[-1].src == live
-    finish(s, longer)
-    run_to_idle(s)
+    d.land()
+    d.run()
     assert not any(s.leaks().values())
 
 
 def test_abort_between_scheduling_and_execution_leaves_no_orphan_state_slot():
     s = make(chunk=4)
+    d = driver(s)
     s.add("a", list(range(1, 11)), P(max_new_tokens=5))
-    first = s.schedule()
-    second = s.schedule()  # holds a SNAPSHOT into a fresh node slot
+    d.build()
+    second = d.build()  # holds a SNAPSHOT into a fresh node slot
     snap_dst = second.ops[-1].dst
     s.abort("a")
-    assert s.schedule() is None or not s.futures.pinned()[-1][0].rows
-    finish(s, first)
-    finish(s, second)
-    run_to_idle(s)
+    # The next pass builds nothing: no third chunk for it, and its row, KV and state slots
+    # stay held (no release, no op) while the two steps in flight carry it.
+    assert d.build() is None and s.requests["a"].row in s.rows.owned
+    d.land()
+    d.land()
+    d.run()
     leaks = s.leaks()
     assert not any(leaks.values()), leaks
     # Every state slot is free or held by a tree node (the snapshot and, if donated, the
@@ -120,23 +121,21 @@ def test_without_the_prefix_cache_only_clears():
     s = Scheduler(max_running=2, context_length=64, eos_ids=[EOS], chunked_prefill_size=4,
                   kv_slots=64, state_slots=4, prefix_cache=False)
     s.add("a", list(range(1, 11)), P(max_new_tokens=2))
-    batches = []
-    while (b := s.schedule()) is not None:
-        batches.append(b)
-        finish(s, b, token=7)
+    batches = driver(s, {"a": [7, 7]}).run().batches
     assert [k for b in batches for k in kinds(b)] == [m.OpKind.CLEAR]
     assert s.memory.states.available == 4
 
 
 def test_n_choices_compute_the_prompt_once():
     s = make(chunk=64)
+    d = driver(s, {f"c{k}": [7] for k in range(3)})
     prompt = list(range(1, 21))
     for k in range(3):
         s.add(f"c{k}", prompt, P(max_new_tokens=3), group="g")
-    first = s.schedule()
+    first = d.build()
     # One sibling prefills all but the last prompt token; the others wait for it.
     assert first.input_lens == [19] and len(first.admit_rows) == 1
-    second = s.schedule()
+    second = d.build()
     # Built while the first chunk is in flight: the 19 tokens are cached at this chunk
     # boundary (saved first in the op list), so the siblings join in this very step, each
     # loading them and computing only the last token, like the leader.
@@ -147,27 +146,24 @@ def test_n_choices_compute_the_prompt_once():
     assert all(len(unpack_ids(op.slots)) == 19 for op in second.ops
                if op.kind in (m.OpKind.KV_SAVE, m.OpKind.KV_LOAD))
     assert all(op.src == snapshot for op in second.ops if op.kind == m.OpKind.COPY)
-    finish(s, first, token=7)
-    finish(s, second, token=7)
-    run_to_idle(s)
+    d.run()  # lands both, each choice sampling 7, then runs them to the end
     assert not any(s.leaks().values())
 
 
 def test_n_choices_share_the_prompt_without_the_prefix_cache_and_leave_nothing_cached():
     s = Scheduler(max_running=4, context_length=128, eos_ids=[EOS], chunked_prefill_size=64,
                   kv_slots=256, state_slots=8, prefix_cache=False)
+    d = driver(s, {"lone": [7, 7], **{f"c{k}": [7] for k in range(3)}})
     s.add("lone", list(range(30, 40)), P(max_new_tokens=2))
     for k in range(3):
         s.add(f"c{k}", list(range(1, 21)), P(max_new_tokens=3), group="g")
-    first = s.schedule()
+    first = d.build()
     assert sorted(first.input_lens) == [10, 19]  # the lone request is not cached at all
-    second = s.schedule()
+    second = d.build()
     # The lone request decodes at position 10; the three choices compute only the last token.
     assert second.input_lens == [1, 1, 1, 1] and sorted(second.start_pos) == [10, 19, 19, 19]
     assert kinds(second).count(m.OpKind.KV_LOAD) == 2
-    finish(s, first, token=7)
-    finish(s, second, token=7)
-    run_to_idle(s)
+    d.run()  # lands both (every row samples 7), then runs them to the end
     assert not any(s.leaks().values())
     assert s.memory.tree.cached_tokens == 0 and s.memory.states.available == 8
     s.add("again", list(range(1, 21)), P(max_new_tokens=1))  # a later request: no hit
@@ -176,35 +172,30 @@ def test_n_choices_share_the_prompt_without_the_prefix_cache_and_leave_nothing_c
 
 def test_a_shared_system_prompt_is_snapshotted_where_prompts_diverge():
     s = make(chunk=64)
+    d = driver(s)
     system = list(range(1, 21))
     s.add("a", system + [30, 31, 32], P(max_new_tokens=1))
-    run_to_idle(s)
+    d.run()
     # b shares 20 tokens with a, but a's snapshots are at its prompt's end and its finish
     # only: b resumes from nothing, and its first chunk ends where the two diverge.
     s.add("b", system + [40, 41, 42], P(max_new_tokens=1))
-    first = s.schedule()
+    first = d.build()
     assert first.start_pos == [0] and first.input_lens == [20]
-    second = s.schedule()
+    second = d.build()
     assert m.OpKind.SNAPSHOT in kinds(second) and second.start_pos == [20]
-    finish(s, first)
-    finish(s, second)
-    run_to_idle(s)
+    d.run()
     # c resumes at the divergence snapshot: only its own question is computed.
     s.add("c", system + [50, 51], P(max_new_tokens=1))
-    hit = s.schedule()
+    hit = d.build()
     assert hit.start_pos == [20] and kinds(hit) == [m.OpKind.KV_LOAD, m.OpKind.COPY]
-    finish(s, hit)
-    run_to_idle(s)
+    d.run()
     assert not any(s.leaks().values())
 
 
 def test_hybrid_chunks_end_at_every_snapshot_interval_and_before_the_last_token():
     s = make(chunk=64, interval=8)
     s.add("a", list(range(1, 21)), P(max_new_tokens=1))  # 20 tokens
-    chunks = []
-    while (batch := s.schedule()) is not None:
-        chunks += zip(batch.start_pos, batch.input_lens)
-        finish(s, batch)
+    chunks = [c for b in driver(s).run().batches for c in zip(b.start_pos, b.input_lens)]
     # Cuts at 8 and 16 (the interval) and 19 (the prompt's last token runs alone).
     assert chunks == [(0, 8), (8, 8), (16, 3), (19, 1)]
     assert not any(s.leaks().values())
@@ -213,79 +204,79 @@ def test_hybrid_chunks_end_at_every_snapshot_interval_and_before_the_last_token(
 # -- the head's input kept at a prompt's end (runner: ModelLayers.head_input) ------------------
 
 
-def admitted(max_new_tokens):
-    """A scheduler that keeps head inputs, after the first batch of a 10-token prompt:
-    (scheduler, prompt, that batch, the request's live state slot)."""
+def admitted(max_new_tokens, scripts):
+    """A scheduler that keeps head inputs, after the first batch of a 10-token prompt of
+    request "a" (not landed): (scheduler, its driver, prompt, that batch, the request's live
+    state slot)."""
     s = make(chunk=64, head_input=True)
+    d = driver(s, scripts)
     prompt = list(range(1, 11))
     s.add("a", prompt, P(max_new_tokens=max_new_tokens))
-    b = s.schedule()
-    return s, prompt, b, b.admit_states[0]
+    b = d.build()
+    return s, d, prompt, b, b.admit_states[0]
 
 
 def test_an_exact_repeat_takes_the_whole_prompt_and_only_samples():
-    s, prompt, b, live = admitted(max_new_tokens=1)
+    s, d, prompt, b, live = admitted(max_new_tokens=1, scripts={"a": [7], "b": [5, EOS]})
     assert b.input_lens == [10] and b.sample == [True]  # no cut before the last token
-    finish(s, b, token=7)
-    release = s.schedule()
+    d.land()  # "a" samples 7
+    release = d.build()
     # It ended after its prompt: the state donated there keeps the head's input too.
     assert kinds(release) == [m.OpKind.KV_SAVE, m.OpKind.DONATE]
     assert release.ops[1].head_input and release.ops[1].src == live
     node = s.memory.tree.match(prompt, need_state=True).node
     assert node.state == live and node.head_input
-    finish(s, release)
+    d.land()
     s.add("b", prompt, P(max_new_tokens=3))
-    hit = s.schedule()
+    hit = d.build()
     assert kinds(hit) == [m.OpKind.KV_LOAD, m.OpKind.COPY] and hit.ops[1].src == live
     assert len(unpack_ids(hit.ops[0].slots)) == 10
     # Its row runs no token: the runner samples from the head input the COPY brought.
     assert (hit.input_lens, hit.start_pos, hit.future, hit.sample) == ([0], [10], [False], [True])
-    nxt = s.schedule()  # its first decode: its prompt's end is in the tree already
+    nxt = d.build()  # its first decode: its prompt's end is in the tree already
     assert nxt.future == [True] and nxt.start_pos == [10] and kinds(nxt) == []
-    ended = [f for out in (finish(s, hit, token=5), finish(s, nxt, token=EOS))
-             for f in out.finished]
+    ended = [f for out in (d.land(), d.land()) for f in out.finished]  # "b" samples 5, EOS
     assert [(f.rid, f.cached_tokens) for f in ended] == [("b", 10)]
-    run_to_idle(s)
+    d.run()
     assert not any(s.leaks().values())
     s.memory.tree.check()
 
 
 def test_a_prompt_that_decodes_on_is_snapshotted_at_its_end_with_the_head_input():
-    s, prompt, b, live = admitted(max_new_tokens=4)
-    first_decode = s.schedule()
+    s, d, prompt, b, live = admitted(max_new_tokens=4, scripts={"a": [5, 6]})
+    first_decode = d.build()
     assert kinds(first_decode) == [m.OpKind.KV_SAVE, m.OpKind.SNAPSHOT]
     save, snap = first_decode.ops
     assert save.start == 0 and len(unpack_ids(save.slots)) == 10
     assert snap.src == live and snap.head_input and snap.dst != live
     node = s.memory.tree.match(prompt, need_state=True).node
     assert node.state == snap.dst and node.head_input
-    finish(s, b, token=5)
-    finish(s, first_decode, token=6)
-    second_decode = s.schedule()
+    d.land()  # "a" samples 5
+    d.land()  # and 6
+    second_decode = d.build()
     assert kinds(second_decode) == []  # once per prompt
-    finish(s, second_decode, token=EOS)
-    run_to_idle(s)
+    d.land()  # and EOS
+    d.run()
     # A later request with the same prompt resumes from that snapshot and only samples.
     s.add("b", prompt, P(max_new_tokens=1))
-    hit = s.schedule()
+    hit = d.build()
     assert hit.input_lens == [0] and hit.ops[-1].src == snap.dst
-    finish(s, hit)
-    run_to_idle(s)
+    d.run()
     assert not any(s.leaks().values())
 
 
 def test_a_snapshot_without_the_head_input_is_no_whole_prompt_hit():
     s = make(chunk=8, head_input=True)
+    d = driver(s)
     s.add("a", list(range(1, 17)), P(max_new_tokens=1))
-    run_to_idle(s)  # chunks of 8: the state after 8 tokens is snapshotted, no head input
+    d.run()  # chunks of 8: the state after 8 tokens is snapshotted, no head input
     node = s.memory.tree.match(list(range(1, 9)), need_state=True).node
     assert node.state is not None and not node.head_input
     s.add("b", list(range(1, 9)), P(max_new_tokens=1))  # exactly those 8 tokens
-    b = s.schedule()
+    b = d.build()
     # It cannot sample there, and nothing short of its last token is snapshotted: it runs.
     assert b.start_pos == [0] and b.input_lens == [8]
-    finish(s, b)
-    run_to_idle(s)
+    d.run()
     # Its own end now keeps the head input, replacing the plain snapshot.
     node = s.memory.tree.match(list(range(1, 9)), need_state=True).node
     assert node.head_input

@@ -1,5 +1,6 @@
 """Hypothesis drives the real scheduler core with arrivals, aborts, early stops and memory
-pressure, one or two steps in flight, against a fake model (the model, not the policy, is fake).
+pressure, one or two steps in flight, against a fake model (the model, not the policy, is fake),
+through the scheduler tests' one loop (tests/support/driver.py).
 
 The fake runner keeps each row's token sequence exactly as the ForwardBatches build it and
 samples a deterministic function of it, so every request has a reference continuation: a lost,
@@ -9,7 +10,6 @@ reused across requests shows up as a mismatch."""
 from __future__ import annotations
 
 import os
-from collections import deque
 
 from hypothesis import event, given, settings, strategies as st
 
@@ -17,6 +17,7 @@ from protocol import messages as m
 from protocol.codec import unpack_ids
 from actors.scheduler.core import Scheduler
 from actors.scheduler.request import Phase
+from tests.support.driver import Driver
 
 EOS = 99
 
@@ -190,33 +191,11 @@ def test_any_sequence_keeps_the_invariants_and_answers_everyone_once(
                   output_reserve=reserve, prefix_cache=prefix,
                   state_slots=rows + spare_states if hybrid else 0, snapshot_interval=interval,
                   head_input=head_input, prefill_first=prefill_first)
-    runner, results = FakeRunner(hybrid), deque()
-    prompts, params, emitted, finished = {}, {}, {}, {}
-
-    def collect(out) -> None:
-        for rid, toks in out.tokens.items():
-            assert rid not in finished, f"{rid} got tokens after its terminal reply"
-            emitted.setdefault(rid, []).extend(toks)
-        for fin in out.finished:
-            assert fin.rid not in finished, f"{fin.rid} got two terminal replies"
-            finished[fin.rid] = fin
-
-    def top_up() -> None:
-        while len(s.futures) < depth and (batch := s.schedule()) is not None:
-            results.append(runner.step(batch))
-        collect(s.take())
-        check_invariants(s)
-
-    def tick(late: bool = False) -> None:
-        # late: process a result and then build (so aborts and arrivals meet two steps in
-        # flight); otherwise build first, as the actor does when it wakes with no result.
-        if not late:
-            top_up()
-        if results:
-            collect(s.on_result(results.popleft()))
-            check_invariants(s)
-        if late:
-            top_up()
+    runner = FakeRunner(hybrid)
+    # Every build and landing checks the invariants; the driver checks that each request gets
+    # one terminal reply and no token after it.
+    d = Driver(s, runner, depth, check=check_invariants)
+    prompts, params = {}, {}
 
     for op in ops:
         if op[0] == "arrive":
@@ -224,7 +203,7 @@ def test_any_sequence_keeps_the_invariants_and_answers_everyone_once(
             _, base, keep, extra, max_new = op
             prompts[rid] = BASES[base][:keep] + [90 + (len(prompts) + i) % 9 for i in range(extra)]
             params[rid] = m.SamplingParams(max_new_tokens=max_new)
-            collect(s.add(rid, prompts[rid], params[rid]))
+            d.add(rid, prompts[rid], params[rid])
         elif op[0] == "choices":
             _, base, keep, extra, max_new, n = op
             prompt = BASES[base][:keep] + [90 + (len(prompts) + i) % 9 for i in range(extra)]
@@ -232,17 +211,17 @@ def test_any_sequence_keeps_the_invariants_and_answers_everyone_once(
             for _ in range(n):
                 rid = f"r{len(prompts)}"
                 prompts[rid], params[rid] = prompt, m.SamplingParams(max_new_tokens=max_new)
-                collect(s.add(rid, prompt, params[rid], group=group))
+                d.add(rid, prompt, params[rid], group=group)
         elif op[0] == "abort" and prompts:
-            collect(s.abort(f"r{op[1] % len(prompts)}"))
+            d.abort(f"r{op[1] % len(prompts)}")
         elif op[0] == "tick":
-            tick(op[1])
+            # late: land a result, then build (so aborts and arrivals meet two steps in
+            # flight); otherwise build first, as the actor does when it wakes with no result.
+            d.step(late=op[1])
         check_invariants(s)
 
-    for _ in range(5000):
-        if s.idle and not results:
-            break
-        tick()
+    d.run(limit=5000)
+    finished = d.finished
     event(f"retractions: {min(s.retractions, 3)}")
     event(f"prefix hits: {min(s.memory.hits, 3)}")
     event(f"rows sampled from a kept head input: {min(runner.sampled_only, 3)}")
@@ -262,7 +241,7 @@ def test_any_sequence_keeps_the_invariants_and_answers_everyone_once(
         assert s.memory.states.available == s.memory.states.capacity
     assert set(finished) == set(prompts), "every request gets exactly one terminal reply"
     for rid, fin in finished.items():
-        got = emitted.get(rid, [])
+        got = d.tokens.get(rid, [])
         ref, reason = reference(prompts[rid], params[rid], context)
         assert got == ref[:len(got)], f"{rid}: tokens differ from the reference"
         if fin.reason == "stop" or (fin.reason == "length" and got == ref):

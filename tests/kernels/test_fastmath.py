@@ -4,6 +4,7 @@ small shapes, other dtypes)."""
 
 from __future__ import annotations
 
+import sys
 import warnings
 
 import mlx.core as mx
@@ -147,7 +148,23 @@ def test_install_patches_the_model_modules_once():
     assert fastmath.install(model) == 0
 
 
-@pytest.mark.parametrize("name", ["qwen3-tiny", "qwen3_5-tiny"])
+# Per model: the globals of its layers' modules that install() points at fastmath.
+ROUTED = {
+    "qwen3-tiny": [("qwen3", "scaled_dot_product_attention"), ("qwen3", "swiglu")],
+    "qwen3_5-tiny": [("qwen3_5", "nn"), ("qwen3_next", "nn"), ("qwen3_next", "precise_swiglu"),
+                     ("qwen3_next", "scaled_dot_product_attention"), ("qwen3_next", "swiglu")],
+}
+
+
+def routed(model) -> list[tuple[str, str]]:
+    """(module, global) pairs of the model's layers' modules that are fastmath's, sorted."""
+    ours = (fastmath.attention, fastmath.swiglu, fastmath.precise_swiglu, fastmath._nn)
+    modules = {sys.modules[type(layer).__module__] for _, layer in model.named_modules()}
+    return sorted((mod.__name__.rsplit(".", 1)[-1], name) for mod in modules
+                  for name, value in vars(mod).items() if any(value is f for f in ours))
+
+
+@pytest.mark.parametrize("name", ROUTED)
 def test_greedy_tokens_are_unchanged_on_a_real_model(path, model_cache, name, monkeypatch):
     # The tiny models' SiLU inputs are below the prefill-sized threshold: lower it, so that
     # both NumPy paths run here (the kernels take every size).
@@ -168,7 +185,10 @@ def test_greedy_tokens_are_unchanged_on_a_real_model(path, model_cache, name, mo
         return out, logits
 
     want, want_logits = greedy(plain, on=False)
-    assert fastmath.install(fast, fastmath._kernels) >= 0
+    fastmath.install(fast, fastmath._kernels)  # may change nothing: module globals outlive a
+    # test, and an earlier one may have installed them. Either way, the fast model's attention
+    # and SwiGLU (qwen3_5's SiLU too) now go through fastmath, and nothing else does.
+    assert routed(fast) == ROUTED[name]
     stock, stock_logits = greedy(fast, on=False)  # installed but inactive: the same bits
     assert stock == want and mx.array_equal(stock_logits, want_logits).item()
     got, got_logits = greedy(fast, on=True)
