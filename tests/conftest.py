@@ -25,18 +25,23 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.slow)
 
 
-def pytest_configure(config):
+@pytest.fixture(scope="session", autouse=True)
+def fast_layer_starts_no_process(request):
     """With `-m "not slow"` (make test-fast) a test that starts a process fails, naming it:
     the fast layer is the one that starts none."""
-    if "not slow" not in (config.getoption("markexpr") or ""):
+    if "not slow" not in (request.config.getoption("markexpr") or ""):
+        yield
         return
 
     def refuse(*args, **kwargs):
         raise RuntimeError("a test outside the slow layers started a process: mark it slow "
                            "(tests/conftest.py)")
 
+    saved = subprocess.Popen._execute_child, multiprocessing.process.BaseProcess.start
     subprocess.Popen._execute_child = refuse
     multiprocessing.process.BaseProcess.start = refuse
+    yield
+    subprocess.Popen._execute_child, multiprocessing.process.BaseProcess.start = saved
 
 
 @pytest.fixture(scope="session")
