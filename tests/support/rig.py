@@ -3,8 +3,10 @@
 The actor is spawned the way launch/supervisor.py spawns it (multiprocessing spawn, its
 `main(cfg, addrs, model)`), at addresses derived from the config in a short /tmp folder. The test
 binds PULL sockets at the neighbours' inboxes (and the launcher's, for Ready / ActorFailed) and
-pushes to the actor's inbox. Every receive has a timeout and fails the test with a message that
-names what was awaited and whether the actor is still alive, instead of hanging.
+pushes to the actor's inbox. A test may spawn another entry point in its place (`entry`: a
+module-level function in tests/support/ that patches the child, then calls the real main).
+Every receive has a timeout and fails the test with a message that names what was awaited
+and whether the actor is still alive, instead of hanging.
 """
 
 from __future__ import annotations
@@ -29,7 +31,9 @@ from protocol.transport import Addresses, derive_addresses, pull_socket, push_so
 
 # What each actor's entry point is and which union each inbox decodes (protocol/messages.py).
 ENTRIES = {
+    "tokenizer": "actors.tokenizer.actor:main",
     "scheduler": "actors.scheduler.actor:main",
+    "runner": "actors.model_runner.actor:main",
     "detokenizer": "actors.detokenizer.actor:main",
 }
 INBOXES = {
@@ -66,8 +70,12 @@ def ipc_addresses(cfg: Config) -> Addresses:
 class ActorProcess:
     """The actor under test, spawned as the supervisor spawns it."""
 
-    def __init__(self, name: str, cfg: Config, addrs: Addresses, model: ModelInfo):
-        module, func = ENTRIES[name].split(":")
+    def __init__(self, name: str, cfg: Config, addrs: Addresses, model: ModelInfo,
+                 entry: str | None = None):
+        """entry: "module:function" to run instead of the actor's own main (same arguments);
+        spawn pickles it by its qualified name, so it must be a module-level function, e.g.
+        one in tests/support/ that patches something in the child and calls the real main."""
+        module, func = (entry or ENTRIES[name]).split(":")
         entry = getattr(importlib.import_module(module), func)
         self.name = name
         self.proc = mp.get_context("spawn").Process(
@@ -147,14 +155,16 @@ class Rig:
     and a PUSH socket into the actor's own inbox. `close` always leaves nothing behind: the
     process joined (Shutdown, then terminate, then kill), sockets closed, ipc folder removed."""
 
-    def __init__(self, name: str, cfg: Config, model: ModelInfo, neighbours: tuple[str, ...]):
+    def __init__(self, name: str, cfg: Config, model: ModelInfo, neighbours: tuple[str, ...],
+                 entry: str | None = None):
         self.name, self.cfg, self.model = name, cfg, model
         self.addrs = ipc_addresses(cfg)
         self.ctx = zmq.Context()
-        self.actor = ActorProcess(name, cfg, self.addrs, model)
+        self.actor = ActorProcess(name, cfg, self.addrs, model, entry)
         self.launcher = FakeInbox(self.ctx, self.addrs, "launcher", self.actor)
         self.fakes = {n: FakeInbox(self.ctx, self.addrs, n, self.actor) for n in neighbours}
         self.inbox = push_socket(self.ctx, self.addrs.inbox(name))
+        self._pushers: list[zmq.Socket] = []
         self.dirty = False  # a test left it in a state the next one must not inherit
 
     def start(self) -> "Rig":
@@ -166,6 +176,13 @@ class Rig:
         arrives in the order it was sent."""
         for msg in msgs:
             self.inbox.send(encode(msg))
+
+    def pusher(self) -> zmq.Socket:
+        """Another PUSH socket into the actor's inbox, for a thread of the test to send on
+        (ZMQ sockets are not shared between threads); closed with the rig."""
+        sock = push_socket(self.ctx, self.addrs.inbox(self.name))
+        self._pushers.append(sock)
+        return sock
 
     def wait_ready(self, timeout: float = READY_TIMEOUT_S) -> m.Ready:
         msg = self.launcher.recv(timeout, what="Ready")
@@ -190,7 +207,8 @@ class Rig:
         finally:
             for fake in (self.launcher, *self.fakes.values()):
                 fake.close()
-            self.inbox.close(linger=0)
+            for sock in (self.inbox, *self._pushers):
+                sock.close(linger=0)
             self.ctx.term()
             shutil.rmtree(self.addrs.ipc_dir, ignore_errors=True)
 
