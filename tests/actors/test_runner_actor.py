@@ -321,9 +321,10 @@ def test_a_bad_batch_fails_its_step_naming_why_and_the_runner_serves_on(runner, 
     check_against_oracle(runner, oracle, {rid: (ids, 5)})
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="product gap (reported): the runner does not check "
-                   "that a batch's columns agree; it serves a prompt chunk with fewer ids than "
-                   "input_lens says, and zips unequal columns short")
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
+    "product gap (reported): the runner does not check that a batch's columns agree; it "
+    "serves a prompt chunk with fewer ids than input_lens says, and zips unequal columns "
+    "short"))
 @pytest.mark.parametrize("batch", [
     m.ForwardBatch(step=9101, rows=[1], input_lens=[5], start_pos=[0], future=[False],
                    sample=[True], input_ids=pack_ids([1, 2, 3]), admit_rows=[1],
