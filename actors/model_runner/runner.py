@@ -30,7 +30,7 @@ from actors.model_runner.grammar import RowMatchers, grammars_for
 from actors.model_runner.layers import Layers, classify
 from actors.model_runner.pipeline import before_host_sync
 from actors.model_runner.prompt_scores import PendingScores, score_chunk
-from actors.model_runner.rows import Rows, StepError
+from actors.model_runner.rows import Rows, StepError, check_columns
 from actors.model_runner.sampling import Pending, RowParams, Sampled, Sampler
 from actors.model_runner.storage import KvPool, Pools, StatePool
 from protocol import messages as m
@@ -110,6 +110,7 @@ class ModelRunner:
         so the caller can launch the next step (its inputs are this step's lazy tokens in
         token_buf) before finish() waits for this one. Where building the step has to wait
         for values, pipeline.before_host_sync() runs first."""
+        check_columns(batch)
         early = self._queues_early(batch)
         with self.cpu.steps(in_place=early):
             started = time.perf_counter()

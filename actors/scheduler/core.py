@@ -157,7 +157,25 @@ class Scheduler:
                 self._take_token(req, result, k)
             if req.inflight == 0:
                 self._settle(req)
+        if result.error:
+            self._runner_reset()
         return self.take()
+
+    def _runner_reset(self) -> None:
+        """After a failed step the runner keeps nothing (actors/model_runner/actor.py, reset):
+        the failed steps' requests end with the error (on_result), the tree forgets what it
+        cached, and every other running request is recomputed from its prompt and output so
+        far, as a retracted one is: its tokens stay those it would have had."""
+        self.memory.forget()
+        for req in list(self.running):
+            if req.inflight:  # in the step built on the failed one, which fails too
+                continue
+            # Nothing it computed is cached: its KV went with the runner's memory.
+            if req.aborted:
+                self._finish(req, "abort")
+                self._release(req, keep=False)
+            else:
+                self._requeue(req, keep=False)
 
     def _take_token(self, req: Request, result: m.StepResult, k: int) -> None:
         token = result.tokens[k]
@@ -332,9 +350,10 @@ class Scheduler:
         elif req.retracting:
             self._requeue(req)
 
-    def _requeue(self, req: Request) -> None:
-        """Give back its memory and recompute it later from prompt + output so far."""
-        self._free_memory(req)
+    def _requeue(self, req: Request, keep: bool = True) -> None:
+        """Give back its memory and recompute it later from prompt + output so far (keep:
+        what it computed stays cached)."""
+        self._free_memory(req, keep)
         self.running.remove(req)
         recompute_later(req)
         self.retractions += 1
@@ -351,13 +370,13 @@ class Scheduler:
             completion_tokens=len(req.output), cached_tokens=req.cached, message=message,
             stop_str=req.stop_str))
 
-    def _release(self, req: Request) -> None:
-        self._free_memory(req)
+    def _release(self, req: Request, keep: bool = True) -> None:
+        self._free_memory(req, keep)
         self.requests.pop(req.rid, None)
 
-    def _free_memory(self, req: Request) -> None:
+    def _free_memory(self, req: Request, keep: bool = True) -> None:
         # What it computed stays cached (prefix cache on) unless the runner failed under it.
-        self.memory.release(req, req.row, keep=req.finish_reason != "error")
+        self.memory.release(req, req.row, keep=keep and req.finish_reason != "error")
         if req.row:
             self.rows.free(req.row)
             self._released_rows.append(req.row)

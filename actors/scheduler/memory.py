@@ -41,6 +41,9 @@ class Memory:
         self.prefix = prefix
         self.tree = RadixCache(self.slots, self.states) if prefix or share_groups else None
         self.ops = OpQueue()
+        # The runner lost its memory (a failed step): the tree points at nothing until every
+        # prefix in it has gone (forget).
+        self.lost = False
         self.hits = self.hit_tokens = self.inserted_tokens = self.evicted_tokens = 0
 
     # -- admission ---------------------------------------------------------------------------
@@ -106,7 +109,7 @@ class Memory:
         return len(req.fill) - min(self.tree.cached_length(req.fill), len(req.fill) - 1)
 
     def _uses_tree(self, req: Request) -> bool:
-        return self.tree is not None and (self.prefix or bool(req.group))
+        return self.tree is not None and not self.lost and (self.prefix or bool(req.group))
 
     def _lock_match(self, req: Request) -> Match | None:
         """The whole fill where it is cached with the head's input; else the longest usable
@@ -223,6 +226,24 @@ class Memory:
         if req.group and self.tree is not None and not self.prefix:
             # No cache across requests: drop what the group let go of.
             self.evicted_tokens += self.tree.evict(self.tree.cached_tokens)
+        if self.lost:
+            self._evict_all()
+
+    # -- a runner that lost its memory -------------------------------------------------------
+
+    def forget(self) -> None:
+        """A step failed and the runner dropped all its memory (actors/model_runner/actor.py,
+        reset): no cached prefix is there any more, and the ops not sent yet act on what is
+        gone. Unlocked prefixes go now; locked ones as their requests let go of them, and
+        until then no prefix is matched or cached."""
+        self.ops = OpQueue()
+        if self.tree is not None:
+            self.lost = True
+            self._evict_all()
+
+    def _evict_all(self) -> None:
+        self.evicted_tokens += self.tree.evict(self.tree.cached_tokens)
+        self.lost = self.tree.cached_tokens > 0
 
     # -- accounting --------------------------------------------------------------------------
 

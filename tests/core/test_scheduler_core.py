@@ -167,6 +167,55 @@ def test_runner_error_ends_the_step_requests_with_error():
     assert s.idle and s.leaks() == {"rows": [], "slots": [], "requests": []}
 
 
+class FailsOnce(Scripted):
+    """Fails one step, as a runner whose forward raised: it then keeps nothing of what it held
+    (actors/model_runner/actor.py, reset), so this fake forgets every row's position too."""
+
+    def __init__(self, sched, fail_step, scripts):
+        super().__init__(sched, scripts)
+        self.fail_step = fail_step
+
+    def step(self, batch):
+        if batch.step == self.fail_step:
+            self.index.clear()
+            return m.StepResult(step=batch.step, rows=[], tokens=[], error="boom")
+        return super().step(batch)
+
+
+def test_after_a_failed_step_no_prefix_from_before_is_used_and_bystanders_are_recomputed():
+    """A prefix cached before a failed step points at runner memory that is gone: a later
+    request with that prompt computes it all (no kv_load, no cached tokens). A request
+    running beside the failed step, but not in it, is recomputed and gets its tokens."""
+    s = make_scheduler(prefix_cache=True, prefill_first=True)
+    scripts = {"cached": [7, EOS], "again": [7, EOS], "by": [5, 6, 8, 9, EOS]}
+    d = Driver(s, FailsOnce(s, fail_step=-1, scripts=scripts))
+    prompt = list(range(1, 9))
+    d.add("cached", prompt, params(4))
+    d.run()
+    assert s.memory.tree.cached_tokens >= len(prompt) - 1
+    d.add("by", [20, 21, 22], params(8))
+    while len(d.tokens.get("by", [])) < 2:
+        d.step()
+    # More wait than decode: with prefill_first the next step only prefills, "by" is held.
+    d.add("x1", [30, 31], params(2))
+    d.add("x2", [40, 41], params(2))
+    d.runner.fail_step = s.step + 1
+    failed = d.build()
+    assert s.requests["by"].row not in failed.rows
+    d.land()
+    assert {d.finished[r].reason for r in ("x1", "x2")} == {"error"}
+    assert "boom" in d.finished["x1"].message and "by" not in d.finished
+    assert s.memory.tree.cached_tokens == 0 and not s.memory.lost
+    after = len(d.batches)
+    d.add("again", prompt, params(4))
+    d.run()
+    assert d.finished["again"].cached_tokens == 0
+    assert not [op for b in d.batches[after:] for op in b.ops if op.kind == m.OpKind.KV_LOAD]
+    assert d.tokens["again"] == [7, EOS]
+    assert d.finished["by"].reason == "stop" and d.tokens["by"] == [5, 6, 8, 9, EOS]
+    assert s.idle and s.leaks() == {"rows": [], "slots": [], "requests": []}
+
+
 def test_long_prompts_are_chunked_beside_running_decodes():
     s = make_scheduler(chunk=4)
     d = Driver(s)
