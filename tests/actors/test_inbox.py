@@ -19,10 +19,8 @@ class Note(msgspec.Struct, tag=True):
     n: int
 
 
-@pytest.fixture
-def pair(tmp_path):
+def _pair(address: str):
     ctx = zmq.asyncio.Context()
-    address = f"ipc://{tmp_path}/inbox"
     inbox = Inbox(pull_socket(ctx, address), msgspec.msgpack.Decoder(Note))
     push = push_socket(ctx, address)
     send = lambda n: zmq.Socket.send(push, msgspec.msgpack.encode(Note(n)))  # noqa: E731
@@ -31,17 +29,29 @@ def pair(tmp_path):
     ctx.destroy(linger=0)
 
 
+@pytest.fixture
+def pair(tmp_path):
+    """The actors' transport: ipc, each message carried by ZMQ's I/O threads."""
+    yield from _pair(f"ipc://{tmp_path}/inbox")
+
+
+@pytest.fixture
+def inproc_pair():
+    """inproc: send() puts the message in the PULL side's queue before it returns (no I/O
+    thread in between), so a test knows what is queued when it starts to wait."""
+    yield from _pair("inproc://inbox")
+
+
 def run(coro):
     return asyncio.run(asyncio.wait_for(coro, 10))
 
 
-def test_a_burst_queued_before_the_wait_comes_back_whole_and_in_order(pair):
-    inbox, send = pair
+def test_a_burst_queued_before_the_wait_comes_back_whole_and_in_order(inproc_pair):
+    inbox, send = inproc_pair
 
     async def go():
         for n in range(5):
-            send(n)
-        await asyncio.sleep(0.05)  # all five reach the PULL side's queue
+            send(n)  # inproc: all five are in the PULL side's queue once this returns
         return await inbox.recv_all()
 
     assert [msg.n for msg in run(go())] == [0, 1, 2, 3, 4]

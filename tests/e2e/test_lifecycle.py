@@ -3,6 +3,7 @@ and leaves no process or ipc file behind."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import threading
@@ -13,9 +14,10 @@ import urllib.request
 import pytest
 
 from harness.graph import Graph
+from harness.procs import children, title
 from models.builtin import ensure_builtin
 from protocol import messages as m
-from protocol.client import Client, ServerError
+from protocol.client import AsyncClient, Client, ServerError
 
 pytestmark = pytest.mark.slow
 
@@ -48,43 +50,106 @@ def test_sigterm_lets_an_open_request_finish(tiny):
     assert g.wait() == 0
 
 
+# The client's own limit: an error that came from it (a reply that never came) would take this
+# long; what the tests below expect comes within a few seconds of the death.
+CLIENT_TIMEOUT_S = 60
+PROMPTLY_S = 15
+
+
 @pytest.mark.parametrize("victim", ["runner", "scheduler", "detokenizer", "tokenizer"])
 def test_a_killed_actor_errors_open_requests_and_takes_the_graph_down(tiny, victim):
     g = Graph(tiny)
     pids = g.actor_pids()
-    errors: list[ServerError] = []
+    errors: list[tuple[ServerError, float]] = []
     started = threading.Event()
 
     def request() -> None:
-        with Client(g.address, timeout=60) as client:
+        with Client(g.address, timeout=CLIENT_TIMEOUT_S) as client:
             try:
                 for _ in client.generate("Tell me everything", max_new_tokens=3000,
                                          ignore_eos=True, stream=True):
                     started.set()
             except ServerError as e:
-                errors.append(e)
+                errors.append((e, time.monotonic()))
 
     worker = threading.Thread(target=request)
     worker.start()
     assert started.wait(60)
+    killed = time.monotonic()
     os.kill(pids[victim], signal.SIGKILL)
-    worker.join(60)
+    worker.join(CLIENT_TIMEOUT_S + 10)
     assert not worker.is_alive(), "the client hung"
     assert len(errors) == 1
-    if victim != "tokenizer":
-        # The exit status is collected before it is reported ("exit code None" before).
-        assert f"actor {victim} died (killed by SIGKILL)" in errors[0].message
+    error, at = errors[0]
+    if victim == "tokenizer":
+        # The tokenizer holds the clients' socket: with it gone no error reply can come, and
+        # the client library reports the dropped connection (protocol/client.py), not its
+        # own timeout.
+        assert error.message == "connection to the server was lost", error.message
+    else:
+        # The tokenizer answers the open request as the launcher stops the graph. The exit
+        # status is collected before it is reported ("exit code None" before).
+        assert f"actor {victim} died (killed by SIGKILL)" in error.message, error.message
+        assert error.code == 503
+    assert at - killed < PROMPTLY_S, f"the error took {at - killed:.1f} s"
     assert g.wait(60) != 0
     assert g.wait_gone(pids.values()) == []
     assert not os.path.exists(g.ipc_dir)
 
 
-def test_children_exit_when_the_launcher_is_killed(tiny):
+async def _open_streams(address: str, n: int, kill) -> list[tuple[object, float]]:
+    """n streamed requests, each running (its first piece in), then kill(); returns each
+    request's outcome (its ServerError, or what it ended with instead) and when it came."""
+    async with AsyncClient(address) as client:
+        streams = [await client.generate(f"Story {k}: once upon a time", max_new_tokens=3000,
+                                         ignore_eos=True, stream=True) for k in range(n)]
+        for stream in streams:
+            await anext(stream)
+
+        async def outcome(stream) -> tuple[object, float]:
+            try:
+                async for piece in stream:
+                    if not isinstance(piece, str):
+                        return piece, time.monotonic()
+            except ServerError as e:
+                return e, time.monotonic()
+            return None, time.monotonic()
+
+        kill()
+        return await asyncio.wait_for(
+            asyncio.gather(*map(outcome, streams)), CLIENT_TIMEOUT_S)
+
+
+def test_open_requests_error_promptly_when_the_launcher_is_killed(tiny):
+    """SIGKILL to the launcher while requests stream: each actor sees its parent gone
+    (actors/shell.py) and exits; every open request ends at once with an error, not a hang or
+    the client's own timeout, and no actor process is left behind."""
     g = Graph(tiny)
-    pids = list(g.actor_pids().values())
-    g.proc.kill()
-    g.wait(30)
-    assert g.wait_gone(pids, timeout=30) == []
+    pids = g.actor_pids()
+    assert len(pids) == 4
+    actors = [p for p in children(g.proc.pid) if title(p).startswith("mas-")]
+    assert sorted(actors) == sorted(pids.values())
+    killed: list[float] = []
+
+    def kill() -> None:
+        killed.append(time.monotonic())
+        g.proc.kill()
+
+    outcomes = asyncio.run(_open_streams(g.address, 3, kill))
+    for got, at in outcomes:
+        assert isinstance(got, ServerError), got
+        # The tokenizer's error reply (fail_all), or the dropped connection as the client
+        # library reports it when that reply is lost: the tokenizer sends it without waiting
+        # and exits at once (os._exit), which most of the time drops what ZMQ had not yet
+        # written to the socket.
+        assert (got.message, got.code) in {("server launcher died", 503),
+                                           ("connection to the server was lost", 500)}, got
+        assert at - killed[0] < PROMPTLY_S, f"the error took {at - killed[0]:.1f} s"
+    assert g.wait(30) == -signal.SIGKILL
+    assert g.wait_gone(pids.values(), timeout=30) == []
+    # Each actor said why it went (their log lines reach us through the pipe they shared).
+    gone = {r["actor"] for r in g.events("actor.parent_gone")}
+    assert gone == set(pids), gone
 
 
 def test_sigint_while_starting_stops_everything(tiny, tmp_path):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import uuid
 
 import openai
 import pytest
@@ -16,26 +17,61 @@ from harness.oracle import Oracle
 pytestmark = pytest.mark.slow
 
 
-async def _seeded_alone_then_busy(address: str):
+NOISE_TOKENS = 48  # the noise outlasts the 16 tokens of the requests that join it
+
+
+async def _seeded_alone_then_busy(address: str, tag: str):
     seeded = dict(max_new_tokens=16, temperature=1.0, top_p=0.9, seed=1234)
     async with AsyncClient(address) as c:
         alone = await c.generate("A seeded story:", **seeded)
         greedy_alone = await c.generate("The capital of France is", max_new_tokens=16)
-        noise = [asyncio.ensure_future(c.generate(f"Noise {k}", max_new_tokens=24,
-                                                  temperature=1.2, top_k=40))
-                 for k in range(4)]
-        await asyncio.sleep(0.05)  # the seeded one lands in a different step of a busy batch
+        noise = [await c.generate(f"Noise {k}", max_new_tokens=NOISE_TOKENS, temperature=1.2,
+                                  top_k=40, ignore_eos=True, stream=True,
+                                  req_id=f"{tag}-noise-{k}") for k in range(4)]
+        for stream in noise:
+            await anext(stream)  # running: the seeded one joins a busy batch, at a later step
         busy, greedy_busy = await asyncio.gather(
-            c.generate("A seeded story:", **seeded),
-            c.generate("The capital of France is", max_new_tokens=16))
+            c.generate("A seeded story:", **seeded, req_id=f"{tag}-seeded"),
+            c.generate("The capital of France is", max_new_tokens=16, req_id=f"{tag}-greedy"))
         other_seed = await c.generate("A seeded story:", **{**seeded, "seed": 99})
-        await asyncio.gather(*noise)
+        for stream in noise:
+            async for _ in stream:
+                pass
     return alone, busy, other_seed, greedy_alone, greedy_busy
 
 
+def _rid(graph, req_id: str) -> str:
+    found = graph.wait_for("request.received", timeout=20, req_id=req_id)
+    assert found, f"no request.received for {req_id}"
+    return found[0]["rid"]
+
+
+def _batched_with(graph, rid: str, others: list[str]) -> list[str]:
+    """The requests among `others` that were rows of the last step `rid` sampled in, as the
+    scheduler's own records prove it. Every running request is a row of every step that
+    decodes (actors/scheduler/core.py, _decode_rows), so one admitted before `rid` and ended
+    after it, never retracted, was in the step that gave `rid` its last token (a decoding
+    step: none held). The scheduler writes these records in the order it acts, and they reach
+    graph.records in that order (one process, one pipe)."""
+    for r in (rid, *others):
+        assert graph.wait_for("request.ended", timeout=20, rid=r), f"{r} never ended"
+    at = {(rec["event"], rec["rid"]): k for k, rec in enumerate(graph.records)
+          if rec.get("event") in ("request.admitted", "request.ended")}
+    retracted = {rec["rid"] for rec in graph.events("request.retracted")}
+    assert rid not in retracted
+    return [o for o in others if o not in retracted
+            and at["request.admitted", o] < at["request.admitted", rid]
+            and at["request.ended", o] > at["request.ended", rid]]
+
+
 def test_seeded_and_greedy_requests_ignore_their_neighbours(graph, model_cache):
+    tag = uuid.uuid4().hex[:8]
     alone, busy, other, greedy_alone, greedy_busy = asyncio.run(
-        asyncio.wait_for(_seeded_alone_then_busy(graph.address), 120))
+        asyncio.wait_for(_seeded_alone_then_busy(graph.address, tag), 120))
+    # The second sends shared steps with the sampled noise: what the checks below compare.
+    noise = [_rid(graph, f"{tag}-noise-{k}") for k in range(4)]
+    for req_id in (f"{tag}-seeded", f"{tag}-greedy"):
+        assert _batched_with(graph, _rid(graph, req_id), noise), f"{req_id} ran alone"
     assert busy.token_ids == alone.token_ids
     assert other.token_ids != alone.token_ids
     assert greedy_busy.token_ids == greedy_alone.token_ids

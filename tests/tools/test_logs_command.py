@@ -286,23 +286,36 @@ def test_reading_takes_the_backups_first_and_following_survives_rotation(tmp_pat
 
     got: list[str] = []
     done = threading.Event()
+    idle = threading.Event()  # follow() asks stop() only once it has read all there is
+
+    def stop() -> bool:
+        idle.set()
+        return done.is_set()
 
     def tail():
-        for rec in follow(path, stop=done.is_set, poll_s=0.01):
+        for rec in follow(path, stop=stop, poll_s=0.01):
             got.append(rec["event"])
 
-    reader = threading.Thread(target=tail)
+    def until(condition) -> bool:
+        deadline = time.monotonic() + 5
+        while not condition() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return condition()
+
+    reader = threading.Thread(target=tail, daemon=True)
     reader.start()
-    time.sleep(0.1)  # following starts at the end: "b" is not shown
-    out.write(line(2, "c"))
-    time.sleep(0.1)
-    rotate(path, 1, keep=3)
-    out.write(line(3, "d"))
-    deadline = time.monotonic() + 5
-    while len(got) < 2 and time.monotonic() < deadline:
-        time.sleep(0.02)
-    done.set()
-    reader.join(5)
+    try:
+        # Open and at the end of the file: following starts there, "b" is not shown.
+        assert idle.wait(5)
+        out.write(line(2, "c"))
+        assert until(lambda: got == ["c"]), got  # read from the file before it is renamed
+        rotate(path, 1, keep=3)
+        out.write(line(3, "d"))  # to the new file, which the reader takes up from its start
+        assert until(lambda: len(got) >= 2), got
+    finally:
+        done.set()
+        reader.join(5)
+    assert not reader.is_alive()
     assert got == ["c", "d"]
 
 
