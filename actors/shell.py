@@ -198,5 +198,8 @@ def _parent_gone(shell: Shell) -> None:
     try:
         shell.on_parent_gone()
     finally:
+        # The dead launcher's inbox too: nobody else is left to remove it, and the last actor
+        # out can then remove the folder.
+        _unlink_inbox(shell.addrs, "launcher")
         _unlink_inbox(shell.addrs, shell.name)
         os._exit(1)

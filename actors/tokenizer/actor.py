@@ -53,7 +53,7 @@ class TokenizerActor:
         self.peers = Peers(self.router)
         # Drained without awaiting after each poll (a sync view of the same socket).
         self.router_now = zmq.Socket.shadow(self.router.underlying)
-        shell.on_parent_gone = lambda: self._send_now(self.front.fail_all("server launcher died"))
+        shell.on_parent_gone = self._parent_gone
         self.metrics = Metrics()
         self.http = HttpFront(self) if server.http_port >= 0 else None
         if unguarded := insecure_endpoints(server, curve is not None, self.http is not None):
@@ -180,6 +180,16 @@ class TokenizerActor:
         for identity, reply in replies:
             if (data := self._route(identity, reply)) is not None:
                 await self.router.send_multipart([identity, data])
+
+    def _parent_gone(self) -> None:
+        """The launcher died: every open request gets its error before the process exits
+        (os._exit, actors/shell.py), which would drop what the sockets still queue. So the
+        router closes with a linger and the context is terminated here: that waits (up to the
+        linger) until the replies have left."""
+        self._send_now(self.front.fail_all("server launcher died"))
+        self.peers.close()
+        self.router.close(linger=1000)
+        self.shell.zctx.destroy(linger=0)  # every other socket: nothing of theirs matters now
 
     def _send_now(self, replies: list[Reply]) -> None:
         """From synchronous code (the parent-gone hook): never blocks."""
