@@ -342,7 +342,8 @@ def test_the_command_prints_a_summary_as_json(log_file, capsys):
     assert s["tokens"]["completion"] == 7 and s["retractions"]["count"] == 1
 
 
-def test_the_command_draws_a_summary_and_a_timeline(log_file, capsys):
+def test_the_command_draws_a_summary_and_a_timeline(log_file, capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "120")  # the width of a terminal, whatever runs the test
     assert cli.main(["logs", str(log_file.parent)]) == 0  # a folder: its newest run
     out = capsys.readouterr().out
     for text in ("requests", "abort", "time to first token", "step.failed", "runner busy",
