@@ -9,6 +9,7 @@ died exits on its own.
 from __future__ import annotations
 
 import asyncio
+import logging
 import multiprocessing
 import os
 import signal
@@ -165,7 +166,13 @@ def run_actor(name: str, cfg: Config, addrs: Addresses, model: ModelInfo,
     configure_logging(cfg.log, name, **fixed)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     code = asyncio.run(_main(name, cfg, addrs, model, body))
-    sys.exit(code)
+    # The shell is closed (sockets, context): end here, logs flushed, without the
+    # interpreter's teardown, whose C++ static destructors (MLX's threads) could abort the
+    # process (std::terminate, exit code -6) after a clean shutdown.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 async def _main(name: str, cfg: Config, addrs: Addresses, model: ModelInfo,

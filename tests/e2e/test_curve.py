@@ -99,7 +99,7 @@ def test_the_right_server_key_and_api_key_are_served(secured):
 @pytest.mark.parametrize("server_key, named", [
     (zmq.curve_keypair()[0], "is server_key the server's public key"),  # another server's key
     (None, "requires CURVE encryption: pass its public key"),
-])
+], ids=["another-servers-key", "no-key"])
 def test_a_client_without_the_server_key_gets_a_clear_error_fast(secured, server_key, named):
     start = time.monotonic()
     with Client(secured.address, timeout=10, server_key=server_key, api_key=API_KEY) as c:

@@ -16,6 +16,7 @@ import msgspec
 import pytest
 import zmq
 
+from harness.graph import Graph
 from protocol import messages as m
 from protocol.client import Client
 
@@ -240,17 +241,21 @@ def test_limits_are_named_and_a_body_over_the_size_limit_is_413(model_cache):
         assert g.stop() == 0
 
 
-def test_no_refused_request_is_left_open(graph):
+def test_no_refused_request_is_left_open(model_cache):
     """A request is registered only once it is encoded for the scheduler: after every refusal
     above, nothing is open, so a SIGTERM drain finds nothing to wait for (it waited its whole
-    timeout for the `max_tokens: 10**30` request that was registered before it failed)."""
-    for body in ({"prompt": "hi", "max_tokens": 10**30}, {"prompt": "hi", "seed": 2**64}):
-        assert _post(graph, "/v1/completions", body).status_code == 400
-    metrics = _get(graph, "/metrics")
-    internal = [line for line in metrics.splitlines()
-                if line.startswith("mas:internal_errors_total")]
-    assert internal and internal[0].endswith(" 0"), internal
-    assert graph.stop(signal.SIGTERM) == 0  # the module's graph: this test runs last
+    timeout for the `max_tokens: 10**30` request that was registered before it failed). A
+    graph of its own: the test ends it."""
+    graph = Graph("model.builtin=qwen3-tiny")
+    try:
+        for body in ({"prompt": "hi", "max_tokens": 10**30}, {"prompt": "hi", "seed": 2**64}):
+            assert _post(graph, "/v1/completions", body).status_code == 400
+        metrics = _get(graph, "/metrics")
+        internal = [line for line in metrics.splitlines()
+                    if line.startswith("mas:internal_errors_total")]
+        assert internal and internal[0].endswith(" 0"), internal
+    finally:
+        assert graph.stop(signal.SIGTERM) == 0
     shutdown = graph.events("tokenizer.shutdown")
     assert shutdown and shutdown[0]["open"] == 0, shutdown
     assert not graph.events("actor.crashed")
