@@ -69,7 +69,8 @@ def _evicting(address: str) -> dict[str, object]:
 def _shared_with_later_documents(model_dir) -> tuple[int, int]:
     """(the tokens of document 0, the longest prefix they share with documents 1-4): what a
     cache that holds only the later documents can still give document 0."""
-    ids = [load_tokenizer(model_dir).encode(_document(k)) for k in range(5)]
+    tokenizer = load_tokenizer(model_dir)
+    ids = [tokenizer.encode(_document(k)) for k in range(5)]
 
     def common(a: list[int], b: list[int]) -> int:
         return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
