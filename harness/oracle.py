@@ -33,19 +33,37 @@ def _tokenizer(path: Path, config: dict[str, Any]) -> Any:
     return _tokenizers[key]
 
 
+# Loaded models and greedy continuations, for the whole test run: many test modules ask the
+# same model for the same prompts (each mode of a matrix, each module its own oracle), and
+# greedy decoding is deterministic. Keyed by the model folder (built-ins are named by a hash
+# of their spec) and upcast.
+_models: dict[tuple[str, bool], tuple[Any, Any]] = {}
+_greedy: dict[tuple[str, bool, tuple[int, ...]], list[int]] = {}  # the longest asked so far
+_asked: dict[tuple[str, bool, tuple[int, ...]], int] = {}  # how many tokens that was
+
+
 class Oracle:
     def __init__(self, path: str, upcast: bool = False):
         """upcast: the checkpoint's floating parameters in float32 (scales of quantized ones
         too), the oracle of runtime.activations = "float32"."""
-        self.model, config = load_model(Path(path))
-        self.tokenizer = _tokenizer(Path(path), config)
-        if upcast:
-            self.model.set_dtype(mx.float32)
+        self.key = (str(Path(path).resolve()), upcast)
+        if self.key not in _models:
+            model, config = load_model(Path(path))
+            if upcast:
+                model.set_dtype(mx.float32)
+            _models[self.key] = model, _tokenizer(Path(path), config)
+        self.model, self.tokenizer = _models[self.key]
 
     def greedy(self, prompt_ids: list[int], max_tokens: int) -> list[int]:
-        """mlx_lm's greedy token ids, EOS included when it stops there."""
-        return [r.token for r in stream_generate(self.model, self.tokenizer,
-                                                  mx.array(prompt_ids), max_tokens=max_tokens)]
+        """mlx_lm's greedy token ids, EOS included when it stops there. A longer run for the
+        same prompt answers a shorter one: greedy decoding's first n tokens do not depend on
+        how many follow."""
+        key = (*self.key, tuple(prompt_ids))
+        if _asked.get(key, -1) < max_tokens:
+            _greedy[key] = [r.token for r in stream_generate(
+                self.model, self.tokenizer, mx.array(prompt_ids), max_tokens=max_tokens)]
+            _asked[key] = max_tokens
+        return _greedy[key][:max_tokens]
 
     def top2(self, ids: list[int]) -> tuple[list[int], float]:
         """The two best next tokens after `ids` and their logit gap."""
