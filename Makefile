@@ -30,8 +30,10 @@ $(VENV)/.kernels-built: $(KERNEL_SOURCES) | $(BIN)/python
 serve: setup
 	$(BIN)/launch --config $(CONFIG)
 
-# The extended matrices (marker `matrix`) stay out of `make test` so it fits 20 minutes on the
-# slowest 2-core machines seen (AVX2 only); `make test-all` runs everything.
+# The extended matrices (marker `matrix`) stay out of `make test`; `make test-all` runs
+# everything. `make test-fast` runs the layers that start no process and load no real model
+# (marker `slow` deselected: tests/conftest.py marks it by layer and fixture, and fails a fast
+# test that starts a process).
 test: setup
 	$(BIN)/python -m pytest -q -m "not matrix" --durations=15
 

@@ -9,10 +9,9 @@ import itertools
 
 import pytest
 
-from models.tokenizer import load_tokenizer
 from protocol import messages as m
 from protocol.codec import pack_ids
-from tests.support.rig import Rig, make_config
+from tests.support.rig import Kept, Rig, make_config
 
 pytestmark = pytest.mark.slow  # starts processes, like tests/e2e
 
@@ -20,28 +19,23 @@ REPLACEMENT = "\ufffd"
 _rids = itertools.count()
 
 
-@pytest.fixture(scope="module")
-def tokenizer(tiny_model):
-    return load_tokenizer(tiny_model.path)
+def start_detokenizer(model) -> Rig:
+    rig = Rig("detokenizer", make_config(), model, ("tokenizer",)).start()
+    rig.wait_ready()
+    return rig
 
 
 @pytest.fixture(scope="module")
-def shared(tiny_model):
-    box = {"rig": None}
-    yield box
-    if box["rig"] is not None:
-        box["rig"].close()
+def kept(tiny_model):
+    kept = Kept(lambda: start_detokenizer(tiny_model))
+    yield kept
+    kept.close()
 
 
 @pytest.fixture
-def detok(shared, tiny_model) -> "Detok":
+def detok(kept) -> "Detok":
     """The module's detokenizer process (started again if a case stopped it)."""
-    rig = shared["rig"]
-    if rig is None or not rig.actor.proc.is_alive():
-        if rig is not None:
-            rig.close()
-        rig = shared["rig"] = Rig("detokenizer", make_config(), tiny_model, ("tokenizer",))
-        rig.start().wait_ready()
+    rig = kept.get()
     rig.fakes["tokenizer"].drain()
     return Detok(rig)
 

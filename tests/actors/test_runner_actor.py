@@ -24,7 +24,7 @@ from harness.oracle import Oracle
 from models.sizing import kv_capacity, state_capacity
 from protocol import messages as m
 from protocol.codec import pack_ids
-from tests.support.rig import READY_TIMEOUT_S, TIMEOUT_S, Rig, make_config
+from tests.support.rig import READY_TIMEOUT_S, TIMEOUT_S, Kept, Rig, make_config
 
 pytestmark = pytest.mark.slow  # starts processes, like tests/e2e
 
@@ -39,34 +39,29 @@ def oracle(tiny_model) -> Oracle:
     return Oracle(tiny_model.path)
 
 
-@pytest.fixture(scope="module")
-def shared(tiny_model):
-    box = {"rig": None, "layers": None}
-    yield box
-    if box["rig"] is not None:
-        box["rig"].close()
-
-
-def start_runner(model) -> tuple[Rig, m.ModelLayers, m.Ready]:
+def start_runner(model) -> Rig:
+    """The runner, its ModelLayers and its Ready kept on the rig (`layers`, `ready`)."""
     rig = Rig("runner", make_config(overlap=True), model, ("scheduler",)).start()
-    layers = rig.fakes["scheduler"].expect(m.ModelLayers, timeout=READY_TIMEOUT_S)
-    ready = rig.wait_ready()
-    return rig, layers, ready
+    rig.layers = rig.fakes["scheduler"].expect(m.ModelLayers, timeout=READY_TIMEOUT_S)
+    rig.ready = rig.wait_ready()
+    return rig
+
+
+@pytest.fixture(scope="module")
+def kept(tiny_model):
+    kept = Kept(lambda: start_runner(tiny_model))
+    yield kept
+    kept.close()
 
 
 @pytest.fixture
-def runner(shared, tiny_model) -> "Driver":
+def runner(kept) -> "Driver":
     """The module's runner process (started again if a case stopped it), and a fresh
     scheduler core driving it."""
-    rig = shared["rig"]
-    if rig is None or rig.dirty or not rig.actor.proc.is_alive():
-        if rig is not None:
-            rig.close()
-        rig, shared["layers"], shared["ready"] = start_runner(tiny_model)
-        shared["rig"] = rig
+    rig = kept.get()
     stray = rig.fakes["scheduler"].drain()
     assert stray == [], f"left over from an earlier case: {stray}"
-    driver = Driver(rig, shared["layers"])
+    driver = Driver(rig, rig.layers)
     yield driver
     # A case that left rows held (or steps unanswered) gets the next case a new process.
     rig.dirty = not driver.settle()
@@ -185,9 +180,9 @@ def check_against_oracle(runner: Driver, oracle: Oracle, asked: dict[str, tuple[
 # -- startup -----------------------------------------------------------------------------------
 
 
-def test_startup_says_the_model_layers_then_ready(runner, shared, tiny_model):
-    assert shared["layers"] == m.ModelLayers(kinds=["full", "full"], head_input=False)
-    ready = shared["ready"]
+def test_startup_says_the_model_layers_then_ready(runner, tiny_model):
+    assert runner.rig.layers == m.ModelLayers(kinds=["full", "full"], head_input=False)
+    ready = runner.rig.ready
     assert ready.info["model"] == tiny_model.name and "weights" in ready.info
 
 

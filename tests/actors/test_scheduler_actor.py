@@ -20,7 +20,7 @@ import zmq
 
 from protocol import messages as m
 from protocol.codec import pack_ids, unpack_ids
-from tests.support.rig import TIMEOUT_S, Rig, make_config
+from tests.support.rig import TIMEOUT_S, Kept, Rig, make_config
 
 pytestmark = pytest.mark.slow  # starts processes, like tests/e2e
 
@@ -174,25 +174,26 @@ class Steps:
 
 
 @pytest.fixture(scope="module", params=[True, False], ids=["overlap", "serial"])
-def shared(request, tiny_model):
+def kept(request, tiny_model):
     """One scheduler per mode for the whole module; replaced if a case leaves it unusable."""
-    box = {"rig": None, "overlap": request.param}
-    yield box
-    if box["rig"] is not None:
-        box["rig"].close()
+
+    def start() -> Rig:
+        rig = start_scheduler(tiny_model, request.param)
+        rig.send(LAYERS)
+        rig.wait_ready()
+        rig.overlap = request.param
+        return rig
+
+    kept = Kept(start)
+    yield kept
+    kept.close()
 
 
 @pytest.fixture
-def steps(shared, tiny_model):
-    rig = shared["rig"]
-    if rig is None or rig.dirty or not rig.actor.proc.is_alive():
-        if rig is not None:
-            rig.close()
-        rig = shared["rig"] = start_scheduler(tiny_model, shared["overlap"])
-        rig.send(LAYERS)
-        rig.wait_ready()
+def steps(kept):
+    rig = kept.get()
     rig.fakes["detokenizer"].drain()
-    s = Steps(rig, shared["overlap"])
+    s = Steps(rig, rig.overlap)
     yield s
     rig.dirty = not s.settle()
 

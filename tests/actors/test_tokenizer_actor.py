@@ -23,12 +23,11 @@ from typing import Any
 import openai
 import pytest
 
-from models.tokenizer import load_tokenizer
 from protocol import messages as m
 from protocol.client import Client, ServerError
 from protocol.codec import encode, pack_ids, unpack_ids
 from tests.support import slow_grammar
-from tests.support.rig import TIMEOUT_S, Rig, make_config
+from tests.support.rig import TIMEOUT_S, Kept, Rig, make_config
 
 pytestmark = pytest.mark.slow  # starts processes, like tests/e2e
 
@@ -48,26 +47,16 @@ def start_tokenizer(model, entry: str | None = None) -> Rig:
 
 
 @pytest.fixture(scope="module")
-def tokenizer(tiny_model):
-    return load_tokenizer(tiny_model.path)
-
-
-@pytest.fixture(scope="module")
-def shared(tiny_model):
-    box = {"rig": None}
-    yield box
-    if box["rig"] is not None:
-        box["rig"].close()
+def kept(tiny_model):
+    kept = Kept(lambda: start_tokenizer(tiny_model))
+    yield kept
+    kept.close()
 
 
 @pytest.fixture
-def front(shared, tiny_model) -> "Front":
+def front(kept) -> "Front":
     """The module's tokenizer process (started again if a case stopped it)."""
-    rig = shared["rig"]
-    if rig is None or not rig.actor.proc.is_alive():
-        if rig is not None:
-            rig.close()
-        rig = shared["rig"] = start_tokenizer(tiny_model)
+    rig = kept.get()
     rig.fakes["scheduler"].drain()
     return Front(rig)
 

@@ -116,7 +116,9 @@ def test_a_dead_rank_errors_every_open_request_and_stops_the_graph(model_cache, 
 
 def test_a_stalled_rank_is_an_actor_death(model_cache):
     ensure_builtin("qwen3-tiny", cache_dir=model_cache, progress=False)
-    g = Graph("model.builtin=qwen3-tiny", "runner.tp=2", "runner.step_timeout_s=2")
+    # The stopped rank cannot act on SIGTERM: the launcher kills it after stop_timeout_s.
+    g = Graph("model.builtin=qwen3-tiny", "runner.tp=2", "runner.step_timeout_s=2",
+              "launch.stop_timeout_s=1")
     pids = _pids(g)
     try:
         ends = asyncio.run(asyncio.wait_for(

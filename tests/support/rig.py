@@ -17,7 +17,7 @@ import shutil
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import msgspec
 import pytest
@@ -217,3 +217,25 @@ class Rig:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+class Kept:
+    """One actor process kept for a test module's cases: started on first use, started again
+    when a case stopped it or left it `dirty`, closed with the module. `start()` returns the
+    started rig, Ready awaited; what else it learnt at startup it leaves on the rig."""
+
+    def __init__(self, start: Callable[[], Rig]):
+        self.start = start
+        self.rig: Rig | None = None
+
+    def get(self) -> Rig:
+        rig = self.rig
+        if rig is None or rig.dirty or not rig.actor.proc.is_alive():
+            if rig is not None:
+                rig.close()
+            rig = self.rig = self.start()
+        return rig
+
+    def close(self) -> None:
+        if self.rig is not None:
+            self.rig.close()
