@@ -220,9 +220,9 @@ class RuntimeConfig(Section):
     # exactly (actors/model_runner/cpu/greedy_head.py): the same token as the argmax of the
     # full head, at a fraction of its cost. One byte per head weight more memory.
     greedy_head: bool = True
-    # CPU only, with the compiled kernels, dense attention models on one rank: the decode
-    # forward traced once per shape by mx.compile (without fusion: the same ops, the same
-    # tokens) and replayed, instead of built op by op in Python every step
+    # CPU only, with the compiled kernels, dense and hybrid models (not sliding windows) on one
+    # rank: the decode forward traced once per shape by mx.compile (without fusion: the same
+    # ops, the same tokens) and replayed, instead of built op by op in Python every step
     # (actors/model_runner/compiled_decode.py).
     compile_decode: bool = True
     # Hybrid models (Qwen3.5, Qwen3-Next), off Metal: the gated-delta recurrence of a prompt
@@ -278,22 +278,23 @@ class MemoryConfig(Section):
     # KV capacity in tokens (slots); 0 derives it from kv_fraction of physical memory.
     kv_tokens: Annotated[int, Meta(ge=0)] = 0
     kv_fraction: Annotated[float, Meta(gt=0, le=0.9)] = 0.25
-    # Recurrent-state slots for hybrid models (live requests + prefix snapshots); 0: four per
-    # running request.
+    # Recurrent-state and sliding-window slots (live requests + prefix snapshots); 0: the
+    # running requests + 64 where max_running_requests is auto (launch/sizing.py), else four
+    # per running request.
     state_slots: Annotated[int, Meta(ge=0)] = 0
 
 
 class CacheConfig(Section):
     # Radix prefix cache: a prompt that starts with a cached prefix skips recomputing it.
     prefix: bool = True
-    # Hybrid models: prefill chunks end at multiples of this many tokens, where the recurrent
-    # state is snapshotted, so a shared prefix resumes at most this far before its end.
+    # Hybrid and sliding-window models: prefill chunks end at multiples of this many tokens,
+    # where the recurrent state (or the window) is snapshotted, so a shared prefix resumes at most this far before its end.
     snapshot_interval: Annotated[int, Meta(ge=0)] = 128
 
 
 class LimitsConfig(Section):
     """What one client request may hold, on both APIs (ZMQ frames and HTTP bodies). Past a limit
-    the request gets a 400 naming it; nothing past one reaches the tokenizer or the graph."""
+    the request gets a 400 naming it (a 413 for an HTTP body); nothing past one reaches the tokenizer or the graph."""
 
     max_frame_bytes: Positive = 16 << 20  # one ZMQ request frame
     max_body_bytes: Positive = 16 << 20  # one HTTP request body

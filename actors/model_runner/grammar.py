@@ -1,4 +1,4 @@
-"""Constrained decoding (issue L), the runner's side: the llguidance tokenizer of the served
+"""Constrained decoding, the runner's side: the llguidance tokenizer of the served
 model, one matcher per constrained row, and a step's allowed-token masks applied to the batch's
 logits in MLX. What a constraint is and how it compiles: actors/constraints.py.
 

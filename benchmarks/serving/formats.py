@@ -47,7 +47,7 @@ NAN = float("nan")
 MIB = 2**20
 F32 = "f32"
 _FLOATS = {"F32": "f32", "BF16": "bf16", "F16": "f16"}  # safetensors dtype -> format name
-# Issue H's targets: (format, ratio, concurrency: lowest / highest measured, ">=" or "<=", bound).
+# The format targets: (format, ratio, concurrency: lowest / highest measured, ">=" or "<=", bound).
 TARGETS = [
     ("4bit", "vs_f32", "lo", ">=", 2.5), ("4bit", "vs_f32", "hi", ">=", 1.3),
     ("4bit", "vs_mlx_lm", "lo", ">=", 5.0), ("4bit", "vs_mlx_lm", "hi", ">=", 5.0),
@@ -279,7 +279,7 @@ def ratios(results: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
-    """Issue H's targets for the formats measured, each with its measured ratio and whether it
+    """The format targets for the formats measured, each with its measured ratio and whether it
     was met; a target whose ratio was not measured in this run is left out."""
     lo, hi = min(results["concurrency"]), max(results["concurrency"])
     out = []

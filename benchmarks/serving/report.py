@@ -61,7 +61,7 @@ def targets(results: dict[str, Any]) -> list[tuple[str, str, bool]]:
         worst = max(r["ttft_vs_mlx_lm"] for r in rows.values())
         out.append(("TTFT p50 <= mlx_lm.server's (worst concurrency)", f"{_f(worst, 2)} x",
                     worst <= 1.0))
-    if PEER in results["servers"]:  # issue H's float32 targets against vllm-mlx
+    if PEER in results["servers"]:  # the float32 targets against vllm-mlx
         ours, peer = _by_c(results["servers"][OURS]), _by_c(results["servers"][PEER])
         for c, need in ((lo, 1.1), (hi, 2.0)):
             v = ours[c]["output_tok_s"] / peer[c]["output_tok_s"] if c in peer else float("nan")

@@ -1,4 +1,4 @@
-"""Hostile input on both APIs (issue F's repros): every frame and body below once killed the
+"""Hostile input on both APIs (the fuzz job's repros): every frame and body below once killed the
 graph, returned a 500 or left a request open. Each must now get one 4xx reply naming the
 problem, on the same running graph, which then still serves."""
 

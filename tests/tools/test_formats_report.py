@@ -1,4 +1,4 @@
-"""The format benchmark's pure parts, nothing served: ratios and issue H's targets from a
+"""The format benchmark's pure parts, nothing served: ratios and the format targets from a
 hand-built result, weight bytes from safetensors headers, and its BENCHMARKS.md block (written
 in place of an older one, kept by the main benchmark's rewrite, notes untouched)."""
 

@@ -1,4 +1,4 @@
-"""Issue F at a small scale: the fuzz + soak job (tools/fuzz/job.py) against a real graph
+"""The fuzz + soak job (tools/fuzz/job.py) against a real graph
 on qwen3-tiny, through the job's own API. 140 ZMQ frames, 140 HTTP bodies and 100 soak requests
 at concurrency 16: about half a minute on a 2-core machine. The full run is
 `python -m tools.fuzz` (README, Benchmarks)."""

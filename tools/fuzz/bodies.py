@@ -50,7 +50,7 @@ class Bodies(Values):
             out.get("chat_template_kwargs", (None, st.nothing()))[1],
             _v(st.sampled_from([10, 65, 1000, 5000]).map(lambda d: {"a": nest(d, True, False)}),
                ANY, "deep value")))
-        # echo is served (the prompt before the completion, issue N): either bool is valid.
+        # echo is served (the prompt before the completion): either bool is valid.
         out["echo"] = (_v(st.booleans(), OK), out.get("echo", (None, st.nothing()))[1])
         # Constraints and tools: none, or anything (they compile or are a 400 naming them).
         odd_format = st.sampled_from([{"type": "yaml"}, {"type": "json_object"},
@@ -71,7 +71,7 @@ class Bodies(Values):
         return {name: v for name, v in out.items() if name in known}  # one body's fields
 
     def prompt(self) -> tuple:
-        # Several prompts (strings or token-id lists) in one body are served since issue N.
+        # Several prompts (strings or token-id lists) in one body are served.
         ok = st.one_of(self.text, st.builds(lambda t: [t], self.text), self.ids,
                        st.sampled_from([["a", "b"], [[1, 2]]]))
         odd = st.one_of(

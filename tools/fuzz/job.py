@@ -1,4 +1,4 @@
-"""Fuzz + soak job (issue F): no input from any client may take the server down.
+"""Fuzz + soak job: no input from any client may take the server down.
 
     python -m tools.fuzz [--model qwen3-tiny] [--scale 1.0] [--seed 0]
                               [--report PATH] [--restarts 0]
