@@ -19,6 +19,9 @@ def main(argv: list[str] | None = None) -> int:
                                 add_help=False)
     p.add_argument("--model", default="qwen3_5-small")
     args, rest = p.parse_known_args(argv)
+    if {"-h", "--help"} & set(rest) and "--model" not in (argv or sys.argv[1:]):
+        print(__doc__)  # without building the default model first
+        return 0
     from models.builtin import ensure_builtin
     from models.info import read_model_info
 
