@@ -38,8 +38,8 @@ def _tokenizer(path: Path, config: dict[str, Any]) -> Any:
 # greedy decoding is deterministic. Keyed by the model folder (built-ins are named by a hash
 # of their spec) and upcast.
 _models: dict[tuple[str, bool], tuple[Any, Any]] = {}
-_greedy: dict[tuple[str, bool, tuple[int, ...]], list[int]] = {}  # the longest asked so far
-_asked: dict[tuple[str, bool, tuple[int, ...]], int] = {}  # how many tokens that was
+# (model, prompt) -> (max_tokens of the longest run asked so far, its tokens)
+_greedy: dict[tuple[str, bool, tuple[int, ...]], tuple[int, list[int]]] = {}
 
 
 class Oracle:
@@ -59,11 +59,10 @@ class Oracle:
         same prompt answers a shorter one: greedy decoding's first n tokens do not depend on
         how many follow."""
         key = (*self.key, tuple(prompt_ids))
-        if _asked.get(key, -1) < max_tokens:
-            _greedy[key] = [r.token for r in stream_generate(
+        if _greedy.get(key, (-1,))[0] < max_tokens:
+            _greedy[key] = max_tokens, [r.token for r in stream_generate(
                 self.model, self.tokenizer, mx.array(prompt_ids), max_tokens=max_tokens)]
-            _asked[key] = max_tokens
-        return _greedy[key][:max_tokens]
+        return _greedy[key][1][:max_tokens]
 
     def top2(self, ids: list[int]) -> tuple[list[int], float]:
         """The two best next tokens after `ids` and their logit gap."""

@@ -46,7 +46,7 @@ def fast_layer_starts_no_process(request):
 
 @pytest.fixture(scope="session")
 def model_cache(tmp_path_factory) -> Path:
-    """Built-in models are built once per machine (MAS_CACHE_DIR) or once per test session."""
+    """Built-in models are built once per machine (MAS_CACHE_DIR) or once per pytest run."""
     env = os.environ.get("MAS_CACHE_DIR")
     path = Path(env) if env else tmp_path_factory.mktemp("models")
     os.environ["MAS_CACHE_DIR"] = str(path)  # launched graphs find the same models
@@ -71,7 +71,7 @@ def loaded(model_cache):
 
 @pytest.fixture(scope="session")
 def graph(model_cache):
-    """The real graph on qwen3-tiny with the default config, one for the whole test session:
+    """The real graph on qwen3-tiny with the default config, one for the whole pytest run:
     starting one takes seconds, and tests that share it leave nothing behind that another
     could see (each request is its own; counters are read as differences)."""
     from harness.graph import Graph

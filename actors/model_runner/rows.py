@@ -45,32 +45,10 @@ import mlx.core as mx
 from actors.model_runner.decode_batch import DecodeBatch
 from actors.model_runner.layers import Layers
 from actors.model_runner.windows import window_of
-from protocol import messages as m
 
 
 class StepError(RuntimeError):
     """The batch contradicts the runner's state: a scheduler bug, reported, never hidden."""
-
-
-def check_columns(batch: m.ForwardBatch) -> None:
-    """A batch whose columns disagree (a per-row column of another length, fewer input ids
-    than its rows bring) is a StepError before anything runs: zipped, it would run short and
-    leave the runner and the scheduler disagreeing on what each row holds."""
-    n = len(batch.rows)
-    for name in ("input_lens", "start_pos", "future", "sample"):
-        if len(getattr(batch, name)) != n:
-            raise StepError(f"{name} has {len(getattr(batch, name))} entries for {n} rows")
-    admitted = len(batch.admit_rows)
-    for name in ("admit_params", "admit_states", "admit_generated", "admit_tokens"):
-        got = len(getattr(batch, name))
-        if got not in ((admitted,) if name == "admit_params" else (0, admitted)):
-            raise StepError(f"{name} has {got} entries for {admitted} admitted rows")
-    if not len(batch.score_rows) == len(batch.score_start) == len(batch.score_next):
-        raise StepError("score_rows, score_start and score_next differ in length")
-    brought = sum(k for k, future in zip(batch.input_lens, batch.future) if not future)
-    if len(batch.input_ids) != 4 * brought:
-        raise StepError(f"input_ids holds {len(batch.input_ids) // 4} ids; the rows bring "
-                        f"{brought}")
 
 
 class Rows:

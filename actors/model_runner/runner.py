@@ -30,7 +30,7 @@ from actors.model_runner.grammar import RowMatchers, grammars_for
 from actors.model_runner.layers import Layers, classify
 from actors.model_runner.pipeline import before_host_sync
 from actors.model_runner.prompt_scores import PendingScores, score_chunk
-from actors.model_runner.rows import Rows, StepError, check_columns
+from actors.model_runner.rows import Rows, StepError
 from actors.model_runner.sampling import Pending, RowParams, Sampled, Sampler
 from actors.model_runner.storage import KvPool, Pools, StatePool
 from protocol import messages as m
@@ -110,7 +110,6 @@ class ModelRunner:
         so the caller can launch the next step (its inputs are this step's lazy tokens in
         token_buf) before finish() waits for this one. Where building the step has to wait
         for values, pipeline.before_host_sync() runs first."""
-        check_columns(batch)
         early = self._queues_early(batch)
         with self.cpu.steps(in_place=early):
             started = time.perf_counter()
@@ -168,8 +167,9 @@ class ModelRunner:
         states = batch.admit_states or [-1] * n
         generated = batch.admit_generated or [0] * n
         tokens = batch.admit_tokens or [b""] * n
+        # strict: columns of unequal length are a StepError's ValueError, not rows dropped.
         for row, params, state, output_len, ids in zip(batch.admit_rows, batch.admit_params,
-                                                       states, generated, tokens):
+                                                       states, generated, tokens, strict=True):
             self._admit_sampling(row, params, output_len, unpack_ids(ids))
             self.rows.admit(row, state)
 
@@ -196,7 +196,7 @@ class ModelRunner:
         samples), in the order drawn. The scored chunks' prompt scores go to `scores`, in
         the batch's score_rows order."""
         scored = {row: (first, next_id) for row, first, next_id in
-                  zip(batch.score_rows, batch.score_start, batch.score_next)}
+                  zip(batch.score_rows, batch.score_start, batch.score_next, strict=True)}
         if len(scored) != len(batch.score_rows):
             raise StepError("a row is scored twice in one step")
         by_row: dict[int, PendingScores] = {}
@@ -206,12 +206,15 @@ class ModelRunner:
         done: list[tuple[int, list[Any]]] = []  # prompts sampled on their own
         ids = unpack_ids(batch.input_ids)
         at = 0
+        # strict: a batch whose columns disagree fails its step instead of running short.
         for row, n, start, future, sample in zip(batch.rows, batch.input_lens, batch.start_pos,
-                                                 batch.future, batch.sample):
+                                                 batch.future, batch.sample, strict=True):
             if future:
                 continue
-            cache, kept = self._chunk_cache(row, start)
             chunk = ids[at:at + n]
+            if len(chunk) != n:
+                raise StepError(f"row {row} brings {n} input ids; input_ids holds {len(ids)}")
+            cache, kept = self._chunk_cache(row, start)
             if row in scored:
                 got = self._prefill_scored(row, cache, chunk, start, sample, *scored[row],
                                            by_row, done)
@@ -221,6 +224,8 @@ class ModelRunner:
             at += n
             if got is not None:
                 parts.append(([row], got))
+        if at != len(ids):
+            raise StepError(f"input_ids holds {len(ids)} ids; the rows bring {at}")
         if decodes:
             parts.append((list(self.rows.decode_rows), self._decode(joining)))
         for row, cache in done:  # they decode from the next step on

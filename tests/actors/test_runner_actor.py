@@ -189,14 +189,20 @@ def test_startup_says_the_model_layers_then_ready(runner, tiny_model):
 # -- steps -------------------------------------------------------------------------------------
 
 
-def test_steps_come_back_in_order_with_mlx_lm_greedy_tokens(runner, oracle):
-    """One step at a time (follows=False): every result is for the step just sent, its rows
-    the step's sampled rows, and each request's tokens are mlx-lm's greedy ones (the long
-    prompt is prefilled in chunks of 64 beside the others' decodes)."""
+def add_prompts(runner, oracle) -> dict[str, tuple[list[int], int]]:
+    """Every prompt of PROMPTS as a request of its own length: rid -> (ids, max_new_tokens)."""
     asked = {}
     for k, text in enumerate(PROMPTS):
         ids = encode(oracle, text)
         asked[runner.add(ids, 6 + 3 * k)] = (ids, 6 + 3 * k)
+    return asked
+
+
+def test_steps_come_back_in_order_with_mlx_lm_greedy_tokens(runner, oracle):
+    """One step at a time (follows=False): every result is for the step just sent, its rows
+    the step's sampled rows, and each request's tokens are mlx-lm's greedy ones (the long
+    prompt is prefilled in chunks of 64 beside the others' decodes)."""
+    asked = add_prompts(runner, oracle)
     runner.run(overlap=False)
     assert [r.step for r in runner.results] == [b.step for b in runner.sent]
     assert max(runner.in_flight_at_send) == 0
@@ -213,10 +219,7 @@ def test_overlapped_steps_give_the_tokens_of_steps_sent_one_at_a_time(tiny_model
     """With two steps in flight (step N+1 sent, its decode inputs the runner's futures,
     before step N's result is out) every result still comes back in step order, and each
     request gets the tokens it gets with one step at a time: mlx-lm's."""
-    asked = {}
-    for k, text in enumerate(PROMPTS):
-        ids = encode(oracle, text)
-        asked[runner.add(ids, 6 + 3 * k)] = (ids, 6 + 3 * k)
+    asked = add_prompts(runner, oracle)
     runner.run(overlap=True)
     assert [r.step for r in runner.results] == [b.step for b in runner.sent]
     assert max(runner.in_flight_at_send) == 1, "never two steps in flight"

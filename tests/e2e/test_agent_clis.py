@@ -37,13 +37,13 @@ def served(agents, model_cache):
     assert g.stop() == 0
 
 
-def converse(session, proxy: RecordingProxy, path: str) -> list[tuple]:
+def converse(agent, proxy: RecordingProxy, path: str) -> list[tuple]:
     """Each prompt as a turn of one conversation: (Turn, the turn's exchanges on path)."""
     turns = []
-    with session:
+    with agent:
         for prompt in PROMPTS:
             start = len(proxy.exchanges)
-            turn = session.ask(prompt)
+            turn = agent.ask(prompt)
             turns.append((turn, proxy.since(start, path)))
     return turns
 
