@@ -96,6 +96,9 @@ class SchedulerActor:
                         if not any(f.rid == msg.rid for f in added.finished):
                             self.log.info("request.queued", rid=msg.rid,
                                           queued=len(self.core.queue))
+                            # Busy since the last check, even if its abort in this same read
+                            # leaves the core idle again: the idle check then runs.
+                            self.was_idle = False
                         out.merge(added)
                     case m.Abort():
                         self.log.info("request.abort", rid=msg.rid)

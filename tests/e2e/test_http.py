@@ -164,7 +164,9 @@ def test_a_client_gone_during_prefill_is_aborted_before_its_first_token(slow_gra
     assert found and found[0]["rid"] == graph.events("request.received")[received]["rid"]
     ended = graph.wait_for("request.ended", timeout=20, rid=found[0]["rid"])
     assert ended and ended[0]["reason"] == "abort" and ended[0]["completion_tokens"] == 0
-    assert graph.idle_again(idle_before)
+    assert graph.idle_again(idle_before), "\n".join(
+        f"{r.get('actor')} {r.get('event')} {r.get('rid', '')} {r.get('error', '')}"
+        for r in graph.records[-40:])
 
 
 def test_api_key_guards_every_route_but_health(model_cache):
