@@ -58,21 +58,23 @@ class Started:
 
 def start_graph(*overrides: str, on_log: Callable[[str], None] | None = None,
                 ready_timeout: float | None = None,
-                env: dict[str, str] | None = None) -> Started:
+                env: dict[str, str] | None = None, root: Path = ROOT) -> Started:
     """Launch with the shipped config plus overrides (pick the model with model.builtin=... or
     model.path=...); returns once the graph printed its ready line. With on_log, every line the
     launcher writes to stderr (JSON log records) goes to it from a reader thread; without, the
     launcher logs nothing to stderr. A launcher that exits, or is not ready within
     ready_timeout seconds (None: no limit), raises RuntimeError. env: variables set for the
-    launcher (and so its actors) beside this process's."""
+    launcher (and so its actors) beside this process's. root: the checkout whose launcher runs
+    (its working directory, so it imports its own code, and its configs/qwen.toml): another
+    checkout of this repository, to compare against this one."""
     logs = ("log.format=json",) if on_log else ("log.stderr=false",)
     if not any(o.startswith(("log.dir=", "log.file=")) for o in overrides):
         logs = (*logs, f"log.dir={_log_dir()}")
-    args = [sys.executable, "-m", "launch", "--config", str(ROOT / "configs" / "qwen.toml"),
+    args = [sys.executable, "-m", "launch", "--config", str(root / "configs" / "qwen.toml"),
             "--set", "server.port=0", "--set", "server.http_port=0",
             *[a for o in (*logs, *overrides) for a in ("--set", o)]]
     proc = subprocess.Popen(args, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE if on_log else None, text=True, cwd=ROOT,
+                            stderr=subprocess.PIPE if on_log else None, text=True, cwd=root,
                             env=None if env is None else {**os.environ, **env})
     _LAUNCHED.append(proc)
     log_reader = None

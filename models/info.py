@@ -24,6 +24,7 @@ class ModelInfo(msgspec.Struct, frozen=True):
     # layers whose memory per request is fixed (a recurrent state, a sliding window): what a
     # state slot holds for them
     state_layers: int = 0
+    attention_heads: int = 0  # query heads of an attention layer (the workspace's scores)
     # how the launcher chose scheduler.max_running_requests (launch/sizing.py)
     sizing: str = ""
 
@@ -64,7 +65,8 @@ def read_model_info(path: str, name: str = "", context_length: int = 0) -> Model
                      model_type=config.get("model_type", ""),
                      kv_bytes_per_token=_kv_bytes_per_token(get),
                      kv_value_bytes=_value_bytes(get),
-                     state_layers=_state_layers(get))
+                     state_layers=_state_layers(get),
+                     attention_heads=int(get("num_attention_heads", 0) or 0))
 
 
 def layer_kinds(get) -> list[str]:

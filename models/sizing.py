@@ -23,9 +23,47 @@ def kv_budget(cfg: Config, model: ModelInfo) -> int:
     physical memory (shared by the runner processes on it) over one token's KV bytes."""
     if cfg.memory.kv_tokens:
         return cfg.memory.kv_tokens
+    # The fraction holds the runner's workspace (its buffer cache) as well as the pool.
+    room = max(0, _fraction_bytes(cfg) - workspace_bytes(cfg, model))
+    return max(1, room // max(1, kv_bytes_per_token(cfg, model)))
+
+
+def _fraction_bytes(cfg: Config) -> int:
+    """memory.kv_fraction of this machine's physical memory, shared by the runner processes
+    on it (the replicas' ranks)."""
     physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    physical //= cfg.runners_here()  # the replicas' ranks share this machine's memory
-    return int(physical * cfg.memory.kv_fraction) // max(1, kv_bytes_per_token(cfg, model))
+    return int(physical // cfg.runners_here() * cfg.memory.kv_fraction)
+
+
+MIB = 1 << 20
+BUFFER_CACHE_MIB = (64, 1024)  # the bounds of runtime.buffer_cache_mib = auto
+
+
+def buffer_cache_bytes(cfg: Config, model: ModelInfo) -> int:
+    """MLX's buffer cache limit (runtime.buffer_cache_mib; CPU only, elsewhere MLX's own):
+    the freed buffers the runner keeps for the next step. auto sizes it for a prefill
+    chunk's largest arrays, two of one layer's attention scores (a chunk's queries over the
+    longest context the KV budget holds, float32: the softmax's output beside its input),
+    within 64-1024 MiB, and no more than a quarter of memory.kv_fraction where that sizes
+    the pool."""
+    set_mib = cfg.runtime.buffer_cache_mib
+    if set_mib != "auto":
+        return set_mib * MIB
+    context = min(model.context_length, cfg.memory.kv_tokens or model.context_length)
+    heads = model.attention_heads or 32  # unknown: as many as a large model has
+    scores = 2 * cfg.scheduler.chunked_prefill_size * heads * context * 4
+    low, high = BUFFER_CACHE_MIB
+    bound = min(max(scores, low * MIB), high * MIB)
+    if not cfg.memory.kv_tokens:  # the fraction holds the workspace too: half of it at most
+        bound = min(bound, _fraction_bytes(cfg) // 4)
+    return bound
+
+
+def workspace_bytes(cfg: Config, model: ModelInfo) -> int:
+    """What the runner holds beyond the weights and the KV pool: the buffer cache, and the
+    live arrays of the step being built, the same largest arrays at most (one layer's
+    scores and their softmax); memory.kv_fraction counts it beside the pool."""
+    return 2 * buffer_cache_bytes(cfg, model)
 
 
 def running_requests(cfg: Config) -> int:

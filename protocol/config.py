@@ -213,8 +213,11 @@ class RuntimeConfig(Section):
     # CPU only: freed MLX buffers the runner keeps for reuse, in MiB (MLX's own limit is 32
     # MiB here). A prefill chunk's attention scores (64 MiB per layer at 2,000 tokens) are then
     # reused from layer to layer instead of fresh pages each time, whose first touch costs
-    # ~10 us per 4 KiB page on this project's VMs. 0: MLX's default.
-    buffer_cache_mib: Annotated[int, Meta(ge=0)] = 1024
+    # ~10 us per 4 KiB page on this project's VMs. 0: MLX's default. auto: two layers'
+    # attention scores of a whole prefill chunk over the longest context the KV budget holds,
+    # 64-1024 MiB (models/sizing.py): with a step's live arrays, the runner's workspace, which
+    # memory.kv_fraction counts beside the KV pool.
+    buffer_cache_mib: Annotated[int, Meta(ge=0)] | Literal["auto"] = "auto"
     # CPU only, with the compiled kernels: plain greedy rows' next token from an int8 copy of
     # a float32 or bf16 LM head with error bounds, the few rows that can still win multiplied
     # exactly (actors/model_runner/cpu/greedy_head.py): the same token as the argmax of the
@@ -275,7 +278,9 @@ class RunnerConfig(Section):
 
 
 class MemoryConfig(Section):
-    # KV capacity in tokens (slots); 0 derives it from kv_fraction of physical memory.
+    # KV capacity in tokens, whole pages of 16 of the one KV pool (the runner holds no more);
+    # 0: kv_fraction of physical memory holds the pool and the runner's workspace
+    # (runtime.buffer_cache_mib) together.
     kv_tokens: Annotated[int, Meta(ge=0)] = 0
     kv_fraction: Annotated[float, Meta(gt=0, le=0.9)] = 0.25
     # Recurrent-state and sliding-window slots (live requests + prefix snapshots); 0: the

@@ -256,11 +256,23 @@ class OpKind(IntEnum):
     CLEAR = 0  # state slot `dst` starts from zeros (a request with no usable prefix)
     COPY = 1  # state `src` -> `dst`: a prefix hit copies the node's snapshot (the node keeps it)
     SNAPSHOT = 2  # live state `src` -> node slot `dst`, at a chunk boundary
-    KV_SAVE = 3  # row `dst`'s KV at positions [start, start + n) -> the n pool `slots`
-    KV_LOAD = 4  # row `dst` starts a new prompt whose first n positions are pool `slots`
+    # 3 and 4 were KV_SAVE and KV_LOAD, from when the prefix cache kept KV in a pool of its
+    # own: never reuse them.
     # Row `dst` gives its live state slot `src` to the tree as the node's snapshot, no copy:
     # the runner stops writing the row's state through to it.
     DONATE = 5
+    # Row `dst`'s page table from index `start` on is the pages in `slots` (the table is cut
+    # at `start` first): admission sends a row's whole table (start 0), growth its new pages.
+    PAGES = 6
+    # KV of the one pool: slot `slots[i]` -> slot `slots[n + i]` for the first n = len / 2
+    # (a prefix hit's partial last page, copied into the request's own page).
+    KV_COPY = 7
+
+
+# Tokens per page of the one KV pool (docs/architecture.md, section 8): slot id s is token
+# s % KV_PAGE of page s // KV_PAGE. The scheduler hands out pages; page 0 is the runner's
+# scratch page (padding rows write there) and never handed out.
+KV_PAGE = 16
 
 
 class Op(Plain):
@@ -268,7 +280,7 @@ class Op(Plain):
     src: int = 0
     dst: int = 0
     start: int = 0
-    slots: bytes = b""  # int32 KV slot ids (KV ops)
+    slots: bytes = b""  # int32 ids: page ids (PAGES), KV slot ids (KV_COPY)
     # SNAPSHOT / DONATE of a row whose last forward sampled: the state slot also keeps the LM
     # head's input at that position, so an exact repeat samples from it with no forward.
     head_input: bool = False
@@ -360,6 +372,10 @@ class TokenBatch(Wire, tag=_tag("TokenBatch")):
     replica: int = 0  # which scheduler (scheduler.dp) sent it
     # A request's prompt logprobs, whole, in the TokenBatch with its first token (or Finish).
     prompt_scores: dict[str, PromptScores] = {}
+    # The scheduler's KV pages as it counted them at send, for /metrics, like running and
+    # queued: [total, used, cached, free] (empty: not reported). Appended: field order is
+    # the wire format.
+    kv_pages: list[int] = []
 
 
 class TextBatch(Wire, tag=_tag("TextBatch")):
@@ -377,6 +393,7 @@ class TextBatch(Wire, tag=_tag("TextBatch")):
     queued: int = 0
     replica: int = 0
     prompt_scores: dict[str, PromptScores] = {}
+    kv_pages: list[int] = []
 
 
 class Ready(Wire, tag=_tag("Ready")):

@@ -31,8 +31,8 @@ def convert(core: Detokenizer, stops: dict[str, StopTrimmer], batch: m.TokenBatc
     return m.TextBatch(rids=rids, texts=texts, counts=counts, token_ids=batch.token_ids,
                        finished=batch.finished, logprobs=batch.logprobs, top_ids=batch.top_ids,
                        top_logprobs=batch.top_logprobs, prompt_scores=batch.prompt_scores,
-                       running=batch.running,
-                       queued=batch.queued, replica=batch.replica)
+                       running=batch.running, queued=batch.queued, replica=batch.replica,
+                       kv_pages=batch.kv_pages)
 
 
 def _trim(stops: dict[str, StopTrimmer], rid: str, text: str) -> str:

@@ -10,8 +10,10 @@ import queue
 import threading
 import time
 import traceback
+from typing import Callable
 
 import mlx.core as mx
+import msgspec
 
 from actors.model_runner import tensor_parallel
 from actors.model_runner.cpu import cores
@@ -21,8 +23,11 @@ from actors.model_runner.pipeline import Pipeline
 from actors.model_runner.runner import ModelRunner
 from actors.shell import Shell, run_actor
 from protocol.transport import actor_name
-from models.sizing import kv_capacity, state_capacity
+from actors.model_runner.kv_pages import PAGE
+from models.sizing import buffer_cache_bytes, kv_capacity, state_capacity, workspace_bytes
 from protocol import messages as m
+from models.info import ModelInfo
+from protocol.config import Config, RuntimeConfig
 
 _STOP = object()
 # How long a launched step waits for the next batch before it is read back, where the
@@ -48,7 +53,7 @@ class MlxThread(threading.Thread):
         runner = ModelRunner(model, cfg.scheduler.max_running_requests,
                              kv_slots=kv_capacity(cfg, info),
                              state_slots=state_capacity(cfg, info), vocab_size=info.vocab_size,
-                             eos_ids=info.eos_ids, runtime=cfg.runtime,
+                             eos_ids=info.eos_ids, runtime=runtime_of(cfg, info),
                              tokenizer_dir=info.path,
                              # Traced on one rank: the ranks' collectives are not replayed.
                              compile_decode=cfg.runtime.compile_decode and cfg.runner.tp == 1)
@@ -95,7 +100,8 @@ class MlxThread(threading.Thread):
 
     def serve_steps(self) -> None:
         """Run the batches the inbox brings until _STOP."""
-        self.stats = Utilisation(self.log, self.shell.cfg.log.stats_interval_s)
+        self.stats = Utilisation(self.log, self.shell.cfg.log.stats_interval_s,
+                                 lambda: self.runner.pools.kv.held())
         # With overlap the scheduler sends step N+1 before it has step N's result: wait that
         # long for it before reading step N back, so N+1 is built while N computes.
         follow_s = FOLLOW_S if self.shell.cfg.scheduler.overlap else 0.0
@@ -163,6 +169,7 @@ class MlxThread(threading.Thread):
             self.loop.call_soon_threadsafe(lambda: asyncio.ensure_future(die(self.shell,
                                                                             message)))
             return
+        self.runner = None  # the old pool goes before the new one is allocated
         self.runner = self._runner(self.model)
 
     def send(self, result: m.StepResult, started: float) -> None:
@@ -175,12 +182,19 @@ class MlxThread(threading.Thread):
         self.last_sent = now
 
 
+def runtime_of(cfg: Config, info: ModelInfo) -> RuntimeConfig:
+    """The runtime config with the buffer cache's limit resolved for this model."""
+    return msgspec.structs.replace(cfg.runtime,
+                                   buffer_cache_mib=buffer_cache_bytes(cfg, info) >> 20)
+
+
 class Utilisation:
     """Per interval: the fraction of wall time the runner spent running steps, and steps/s.
     With overlap the next step is already queued when one ends, so busy stays near 1."""
 
-    def __init__(self, log, interval: float):
-        self.log, self.interval = log, interval
+    def __init__(self, log, interval: float, held: Callable[[], dict] = dict):
+        """held: what the runner holds of the KV pool now (KvPages.held)."""
+        self.log, self.interval, self.held = log, interval, held
         self._reset(time.perf_counter())
 
     def _reset(self, now: float) -> None:
@@ -207,7 +221,8 @@ class Utilisation:
                           # Live arrays vs freed buffers MLX keeps for reuse: RSS counts both,
                           # a leak grows the first.
                           mlx_active_mib=round(mx.get_active_memory() / 2**20, 1),
-                          mlx_cache_mib=round(mx.get_cache_memory() / 2**20, 1))
+                          mlx_cache_mib=round(mx.get_cache_memory() / 2**20, 1),
+                          **self.held())
         self._reset(now)
 
 
@@ -263,6 +278,10 @@ async def serve(shell: Shell) -> None:
     shell.log.info("runner.cores", **mlx.cores)
     shell.log.info("runner.ready", max_running_requests=shell.cfg.scheduler.max_running_requests,
                    kv_slots=kv_capacity(shell.cfg, shell.model), why=shell.model.sizing or None,
+                   # The one KV pool: the budget in pages, and what the arrays hold so far.
+                   kv_page_tokens=PAGE, kv_pages=mlx.runner.pools.kv.budget_pages(),
+                   workspace_mib=workspace_bytes(shell.cfg, shell.model) >> 20,
+                   **mlx.runner.pools.kv.held(),
                    # Whether decode forwards may run compiled (compiled_decode.py); a model
                    # whose caches are not all paged K/V still runs them eagerly.
                    compiled_decode=mlx.runner.compiled is not None,

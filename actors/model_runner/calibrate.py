@@ -35,11 +35,11 @@ def decode_rates(model: Any, installed: Any, ladder: tuple[int, ...] = LADDER,
     from mlx_lm.models.cache import make_prompt_cache
 
     from actors.model_runner.cpu import greedy_head
-    from actors.model_runner.decode_batch import DecodeBatch
+    from actors.model_runner.decode_batch import standalone
 
     prompt = make_prompt_cache(model)
     mx.eval(model(mx.array([[5 + i % 997 for i in range(context)]]), cache=prompt))
-    decode, rows = DecodeBatch(), 0
+    decode, rows = standalone(prompt), 0
     # Distinct tokens: rows that differ, as served rows do (the greedy head checks the
     # candidates of every row; identical rows would share theirs).
     token_buf = mx.arange(1000, 1001 + max(ladder), dtype=mx.int32)
@@ -57,7 +57,7 @@ def decode_rates(model: Any, installed: Any, ladder: tuple[int, ...] = LADDER,
     for batch in sorted(ladder):
         while rows < batch:
             rows += 1
-            decode.join(rows, prompt)
+            decode.join_copy(rows, prompt)
         mx.eval(step())
         took: list[float] = []
         while len(took) < repeat or (sum(took) < MIN_SECONDS and len(took) < 30):

@@ -39,7 +39,8 @@ import mlx.nn as nn
 
 from actors.logs import get_logger
 from actors.model_runner.cpu import greedy_head
-from actors.model_runner.decode_batch import BatchedKV, BatchedStates, DecodeBatch, pool_in_place
+from actors.model_runner.decode_batch import BatchedKV, BatchedStates, DecodeBatch
+from actors.model_runner.kv_pages import pool_in_place
 from protocol.messages import LAYER_FULL, LAYER_RECURRENT
 
 PLAIN, REPLACE, KEEP = "plain", "replace", "keep"  # the head: none captured, greedy, kept
@@ -91,8 +92,6 @@ class CompiledDecode:
         kv = [c for c in self.batch.caches if isinstance(c, BatchedKV)]
         recurrent = [c for c in self.batch.caches if isinstance(c, BatchedStates)]
         p = self.batch.positions
-        for c in kv:
-            c.grow()  # reserve's Python does not run in a replay
         heads = sorted({c.keys.shape[0] for c in kv})
         writes = [p.writes(h) for h in heads]
         pools = [a for c in kv for a in (c.keys, c.values)]
@@ -176,9 +175,8 @@ def _place(kv: list[BatchedKV], recurrent: list[BatchedStates], arrays: Any) -> 
 
 
 def _traceable(cache: Any) -> bool:
-    """A layer cache the trace takes as inputs and outputs: the paged K/V once it has pools, a
-    recurrent state once every part exists (a part no row has yet is made by the model: a
+    """A layer cache the trace takes as inputs and outputs: the paged K/V, a recurrent state once every part exists (a part no row has yet is made by the model: a
     different graph). BatchedStates never sets mlx-lm's paddings or lengths."""
     if isinstance(cache, BatchedKV):
-        return cache.keys is not None
+        return True
     return isinstance(cache, BatchedStates) and all(a is not None for a in cache.cache)

@@ -4,13 +4,12 @@ position, in a layout the runner owns (docs/architecture.md, section 8).
 Why not mlx-lm's BatchKVCache: it keeps rows left padded to a common end, so a row that leaves
 (filter, extract) or joins (extend) copies the KV of every other row, and it holds rows x the
 longest context. Here a row has a position for as long as it holds KV:
-- A full-attention layer's K and V live in `BatchedKV`: a pool of pages [kv_heads, pages, PAGE,
-  dim] shared out by `Positions`, each position's tokens in pages of its own (its page table).
-  A joining row copies its prompt's KV into fresh pages; a leaving row's pages go back to the
-  free list; nothing else moves, and the pool holds the tokens the rows hold (rounded up to a
-  page per row), not rows x the longest row. The decode attention kernel reads the pages
-  through the table; MLX's attention gets them gathered into [positions, kv_heads, columns,
-  dim] (a copy per layer and step, lazily: never built where the kernel runs).
+- A full-attention layer's K and V are the one pool's (kv_pages.py), read by `BatchedKV`
+  through each position's page table, the scheduler's pages of its row. A joining row's
+  prompt is there already (its chunks wrote it): nothing moves when rows come and go. The
+  decode attention kernel reads the pages through the table; MLX's attention gets them
+  gathered into [positions, kv_heads, columns, dim] (a copy per layer and step, lazily: never
+  built where the kernel runs).
 - A recurrent layer's state lives in `BatchedStates`: one [positions, ...] array per part.
 - Any other cache (sliding windows) stays mlx-lm's merged batch cache; such a model keeps no
   holes (the positions compact at once), as before.
@@ -21,7 +20,7 @@ states; the page tables are reordered on the host) only when holes are more than
 and trailing holes are dropped at once.
 
 A row that stops decoding but is not released (finished while a step was in flight, or being
-retracted) is parked: it keeps its position and its pages, which a KV save may still read.
+retracted) is parked: it keeps its position and its pages until the scheduler releases it.
 Holes and parked rows write this step's K/V into the scratch page 0 and attend to that one key:
 their outputs are dropped, their pages never change.
 """
@@ -34,21 +33,18 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
 
+from actors.model_runner.kv_pages import PAGE, KvPages, PoolFull, gather, slots_of
 from actors.model_runner.pipeline import before_host_sync
-from actors.model_runner.thread_flag import ThreadFlag
 from actors.model_runner.windows import row_window
-
-PAGE = 16  # tokens per page of the decode batch's K/V pool
-FIRST_PAGES = 64  # the pool's first size in pages; it doubles when a step needs more
-
 
 class Positions:
     """What the layers of one decode forward share: how many positions run (`n`), each
-    position's length (tokens of KV before this step) and page table, and which positions
-    decode, known on the host, so no layer reads anything back. `prepare` turns them into the
-    forward's arrays once per step."""
+    position's length (tokens of KV before this step) and page table (its row's, rows.py),
+    and which positions decode, known on the host, so no layer reads anything back. `prepare`
+    turns them into the forward's arrays once per step."""
 
-    def __init__(self):
+    def __init__(self, store: KvPages):
+        self.store = store
         # The table's width rounded up to a power of two pages: while the decode forward is
         # compiled (compiled_decode.py), a new width is a new trace. The runner's setting: it
         # outlives the buffers.
@@ -60,10 +56,7 @@ class Positions:
         self.n = 0
         self.lengths = np.zeros(0, np.int32)
         self.live = np.zeros(0, bool)  # the position decodes in this step
-        self.pages: list[list[int]] = []  # position -> its pages, in token order
-        self.free: list[int] = []  # pages to hand out again, the last freed first (warm)
-        self.used = 1  # pages ever handed out; page 0 is the scratch page
-        self.capacity = 0  # pages the layers' pools hold (they grow to it together)
+        self.pages: list[list[int]] = []  # position -> its row's page table (the same list)
         self.offset: mx.array | None = None  # [n] RoPE offsets: where each row's token goes
         self._at = np.zeros(0, np.int64)  # [n] each row's written token: page * PAGE + slot
         self._writes: dict[int, mx.array] = {}  # kv_heads -> this step's flat write index
@@ -80,37 +73,12 @@ class Positions:
             self.pages += [[] for _ in range(grow)]
         self.n = n
 
-    # -- pages ----------------------------------------------------------------------------------
-
-    def take(self, at: int, tokens: int) -> list[int]:
-        """Pages for position `at` to hold `tokens` tokens; returns the new ones."""
-        need = -(-tokens // PAGE) - len(self.pages[at])
-        new = [self._page() for _ in range(max(0, need))]
-        self.pages[at] += new
-        return new
-
-    def give_back(self, at: int) -> None:
-        self.free += reversed(self.pages[at])
-        self.pages[at] = []
-
-    def _page(self) -> int:
-        if self.free:
-            return self.free.pop()
-        self.used += 1
-        if self.used > self.capacity:  # the pools double (BatchedKV.reserve)
-            self.capacity = max(self.capacity, FIRST_PAGES)
-            while self.capacity < self.used:
-                self.capacity *= 2
-        return self.used - 1
-
     def writes(self, kv_heads: int) -> mx.array:
         """[n x kv_heads] int32: where this step's token of row b, head h goes in a pool seen
-        flat as [kv_heads x capacity x PAGE, dim], in the order of the new keys reshaped to
-        [n x kv_heads, dim]. Made once per step for every layer."""
+        flat (KvPages.index), in the order of the new keys reshaped to [n x kv_heads, dim].
+        Made once per step for every layer."""
         if kv_heads not in self._writes:
-            heads = np.arange(kv_heads, dtype=np.int64)[None] * (self.capacity * PAGE)
-            self._writes[kv_heads] = mx.array((heads + self._at[:, None]).reshape(-1)
-                                              .astype(np.int32))
+            self._writes[kv_heads] = self.store.index(self._at, kv_heads)
         return self._writes[kv_heads]
 
     def replace_writes(self, writes: dict[int, mx.array]) -> None:
@@ -133,15 +101,18 @@ class Positions:
             if not live[at]:
                 continue
             length = lengths[at]
-            self.take(at, length + 1)  # a token at a page boundary starts a new page
             pages = self.pages[at]
+            if len(pages) * PAGE <= length:  # the scheduler sends a page before it is needed
+                raise PoolFull(f"a decode row at position {length} has {len(pages)} pages")
             at_written[at] = pages[length // PAGE] * PAGE + length % PAGE
             counts[at] = length + 1
-            most = max(most, len(pages))
+            most = max(most, length // PAGE + 1)
         if self.round_pages:  # the columns past a row's pages are the scratch page, masked
             most = 1 << (most - 1).bit_length()
-        table = [self.pages[at] + [0] * (most - len(self.pages[at])) if live[at] else [0] * most
-                 for at in range(n)]
+        table = []
+        for at in range(n):
+            pages = self.pages[at][:most] if live[at] else []
+            table.append(pages + [0] * (most - len(pages)))
         self.width = most * PAGE
         self.offset = mx.array(self.lengths[:n])
         self._at = np.array(at_written, np.int64)
@@ -152,32 +123,33 @@ class Positions:
         self.keys_per_row = mx.array(counts, dtype=mx.int32)
 
 
-# The CPU kernels' pool write (mas_kernels.kv_write), held on the runner's thread inside its
-# steps (cpu/attention.active); None elsewhere: MLX's scatter. Written with MLX's indexing, a
-# pool's write is four graph nodes (reshapes around a scatter); the kernel's is one. Each node
-# costs the CPU stream and the submitting thread microseconds whatever its size: qwen3-small-4bit
-# at one row, compiled, the step's 64 nodes of writes cost ~0.5-1 ms of a ~5.5 ms step.
-pool_writer: ThreadFlag[Any] = ThreadFlag(None)
-# Whether those writes are in place even where the pool is held (cpu/attention.active; the
-# compiled decode keeps a trace for each).
-pool_in_place: ThreadFlag[bool] = ThreadFlag(False)
-
-
 class BatchedKV:
-    """One full-attention layer's K and V for the decode batch, in pages; what the model's
-    attention calls (`offset`, `update_and_fetch`, `make_mask`) as it calls mlx-lm's caches."""
+    """One full-attention layer of the decode batch: what the model's attention calls
+    (`offset`, `update_and_fetch`, `make_mask`) as it calls mlx-lm's caches. Its K and V are
+    the layer's arrays of the one pool (kv_pages.py), read through the positions' tables."""
 
-    def __init__(self, positions: Positions):
-        self.positions = positions
-        # [kv_heads, pool pages, PAGE, dim]: head-major, so a row's run of pages is one
-        # contiguous stretch per head, as the kernel reads it (a third faster at 16 x 2,000
-        # tokens than page-major).
-        self.keys: mx.array | None = None
-        self.values: mx.array | None = None
+    def __init__(self, positions: Positions, layer: int):
+        self.positions, self.layer = positions, layer
         # What update_and_fetch last returned: the attention kernel stands in only for
         # attention over exactly these (DeepSeek's latent attention stores other things as K
         # and V and attends over them with a mask of its own).
         self.fetched: tuple[mx.array, mx.array] | None = None
+
+    @property
+    def keys(self) -> mx.array:
+        return self.positions.store.keys[self.layer]
+
+    @keys.setter
+    def keys(self, a: mx.array) -> None:
+        self.positions.store.keys[self.layer] = a
+
+    @property
+    def values(self) -> mx.array:
+        return self.positions.store.values[self.layer]
+
+    @values.setter
+    def values(self, a: mx.array) -> None:
+        self.positions.store.values[self.layer] = a
 
     @property
     def offset(self) -> mx.array:
@@ -185,7 +157,7 @@ class BatchedKV:
 
     @property
     def state(self) -> list[mx.array]:
-        return [a for a in (self.keys, self.values) if a is not None]
+        return [self.keys, self.values]
 
     def make_mask(self, n: int, return_array: bool = False, **_: Any) -> mx.array:
         if n != 1:
@@ -197,84 +169,9 @@ class BatchedKV:
         rows' pages gathered as [n, kv_heads, width, dim] for MLX's attention (lazy: the
         kernel reads the pool through the page table and never evaluates them)."""
         p = self.positions
-        self.reserve(keys, values)
-        index = p.writes(keys.shape[1])
-        write = pool_writer.get()
-        if (write is not None and keys.dtype == values.dtype == self.keys.dtype
-                == self.values.dtype and keys.shape[2] == values.shape[2] == 1):
-            in_place = pool_in_place.get()
-            self.keys = write(self.keys, index, keys, in_place=in_place)
-            self.values = write(self.values, index, values, in_place=in_place)
-        else:  # one scatter per pool seen flat, in place (the old buffer is donated)
-            written = []
-            for pool, new in ((self.keys, keys), (self.values, values)):
-                flat = pool.reshape(-1, pool.shape[-1])
-                flat[index] = new.reshape(-1, new.shape[-1])
-                written.append(flat.reshape(pool.shape))
-            self.keys, self.values = written
-        self.fetched = self.gather(self.keys, p.table), self.gather(self.values, p.table)
+        p.store.write(self.layer, p.writes(keys.shape[1]), keys, values)
+        self.fetched = gather(self.keys, p.table), gather(self.values, p.table)
         return self.fetched
-
-    def grow(self) -> None:
-        """reserve() from the pools themselves: room for every page handed out, before a
-        compiled forward (whose replay runs none of update_and_fetch's Python). Every step:
-        the like-arrays are built only when the pool is short."""
-        if self.keys is not None and self.keys.shape[1] < self.positions.capacity:
-            self.reserve(self.keys[:, :1].swapaxes(0, 1), self.values[:, :1].swapaxes(0, 1))
-
-    @staticmethod
-    def gather(pool: mx.array, table: mx.array) -> mx.array:
-        """The pages of each table row laid end to end: [rows, kv_heads, pages x PAGE, dim]."""
-        n, most = table.shape
-        got = pool[:, table]  # [kv_heads, n, most, PAGE, dim]
-        return got.transpose(1, 0, 2, 3, 4).reshape(n, pool.shape[0], most * PAGE,
-                                                     pool.shape[3])
-
-    def reserve(self, like_k: mx.array, like_v: mx.array) -> None:
-        """Room for every page handed out: the pool doubles (copying what it holds)."""
-        size = self.positions.capacity
-        have = 0 if self.keys is None else self.keys.shape[1]
-        if have >= size:
-            return
-        grown = []
-        for old, like in ((self.keys, like_k), (self.values, like_v)):
-            a = mx.zeros((like.shape[1], size, PAGE, like.shape[-1]), like.dtype)
-            if old is not None:
-                a[:, :have] = old
-            grown.append(a)
-        self.keys, self.values = grown
-
-    def fill(self, pages: list[int], cache: KVCache, length: int) -> None:
-        """A joining row's prompt KV into its pages: a copy of that row only."""
-        if cache.keys is None or length == 0:
-            return
-        self.reserve(cache.keys, cache.values)
-        index = mx.array(pages)
-        for pool, own in ((self.keys, cache.keys), (self.values, cache.values)):
-            got = own[0, :, :length, :]
-            pad = len(pages) * PAGE - length
-            if pad:
-                got = mx.concatenate([got, mx.zeros((got.shape[0], pad, got.shape[2]),
-                                                    got.dtype)], axis=1)
-            pool[:, index] = got.reshape(got.shape[0], len(pages), PAGE, got.shape[2])
-
-    def tokens(self, at: int, start: int, end: int) -> tuple[mx.array, mx.array]:
-        """Position `at`'s K and V at tokens [start, end): [end - start, kv_heads, dim]."""
-        first, pages = start // PAGE, self.positions.pages[at]
-        table = mx.array([pages[first:-(-end // PAGE)]])
-        begin = start - first * PAGE
-        k, v = (self.gather(pool, table)[0].transpose(1, 0, 2)[begin:begin + end - start]
-                for pool in (self.keys, self.values))
-        return k, v
-
-
-def row_tokens(cache: Any, index: int, start: int, end: int) -> tuple[mx.array, mx.array]:
-    """A row's K and V at tokens [start, end) of one attention layer, [tokens, kv_heads, dim]:
-    from the decode batch's pages, or from a prompt's own mlx-lm cache (index 0)."""
-    if isinstance(cache, BatchedKV):
-        return cache.tokens(index, start, end)
-    return (cache.keys[index, :, start:end, :].transpose(1, 0, 2),
-            cache.values[index, :, start:end, :].transpose(1, 0, 2))
 
 
 class BatchedStates(ArraysCache):
@@ -311,8 +208,8 @@ class DecodeBatch:
     """The positions and the per-layer batched caches. `rows` are the rows that decode, in
     position order: the decode forward's output order once `live_index` picks them out."""
 
-    def __init__(self):
-        self.positions = Positions()
+    def __init__(self, store: KvPages):
+        self.positions = Positions(store)
         self._clear()
 
     def _clear(self) -> None:
@@ -333,10 +230,11 @@ class DecodeBatch:
 
     # -- rows in and out ------------------------------------------------------------------------
 
-    def join(self, row: int, cache: list[Any]) -> None:
-        """A row whose prompt is done joins with its per-layer prompt caches."""
+    def join(self, row: int, cache: list[Any], pages: list[int]) -> None:
+        """A row whose prompt is done joins with its per-layer prompt caches and its page
+        table (its full-attention layers' KV is in the pool already: nothing to copy)."""
         if self.caches is None:
-            self.caches = [self._batched(c) for c in cache]
+            self.caches = [self._batched(i, c) for i, c in enumerate(cache)]
             self.holes_ok = not any(_is_mlx_batch(c) for c in self.caches)
         holes = [i for i, r in enumerate(self.slots) if r is None]
         at = holes[0] if holes else len(self.slots)
@@ -344,12 +242,12 @@ class DecodeBatch:
             self.slots.append(None)
             self.positions.resize(len(self.slots))
         length = _length(cache)
-        pages = self.positions.take(at, length)
+        self.positions.pages[at] = pages
         for i, own in enumerate(cache):
             batched = self.caches[i]
             if isinstance(batched, BatchedKV):
-                batched.fill(pages, own, length)
-            elif isinstance(batched, BatchedStates):
+                continue
+            if isinstance(batched, BatchedStates):
                 batched.fill(at, own, len(self.slots))
             elif batched is None:  # mlx-lm's merged cache: rows are appended, never holes
                 self.caches[i] = type(own).merge([own])
@@ -359,6 +257,24 @@ class DecodeBatch:
         self.where[row] = at
         self.decoding.add(row)
         self.positions.lengths[at] = length
+
+    def join_copy(self, row: int, cache: list[Any]) -> None:
+        """A row from a plain mlx-lm prompt cache (calibration and benchmarks, outside the
+        scheduler): its K and V copied into pages of its own, past every page in use."""
+        length = _length(cache)
+        if not length:
+            raise ValueError("join_copy takes a prompt's caches after at least one token")
+        store = self.positions.store
+        first = 1 + max((max(p) for p in self.positions.pages if p), default=0)
+        pages = list(range(first, first + length // PAGE + 1))
+        store.ensure(pages[-1])
+        slots = slots_of(pages, 0, length)
+        for layer in store.layers:
+            c = cache[layer]
+            index = store.index(slots, c.keys.shape[1])
+            store.write(layer, index, c.keys[0, :, :length].transpose(1, 0, 2)[:, :, None],
+                        c.values[0, :, :length].transpose(1, 0, 2)[:, :, None])
+        self.join(row, cache, pages)
 
     def keep(self, rows: list[int]) -> None:
         """These rows decode in this step; the others that decoded are parked."""
@@ -373,7 +289,7 @@ class DecodeBatch:
             self.decoding.discard(row)
             self.slots[at] = None
             self.positions.lengths[at] = 0
-            self.positions.give_back(at)
+            self.positions.pages[at] = []
         self._tidy()
 
     # -- the forward ----------------------------------------------------------------------------
@@ -397,9 +313,6 @@ class DecodeBatch:
         """After the forward: each decoding row holds one more token."""
         for row in self.decoding:
             self.positions.lengths[self.where[row]] += 1
-
-    def kv_of(self, row: int) -> tuple[list[Any], int]:
-        return self.caches, self.where[row]
 
     def states_of(self, row: int, layers: Any) -> dict[int, list[mx.array | None]]:
         """The row's recurrent states and windows (layers.py's Layers), copied out of the batch
@@ -453,9 +366,9 @@ class DecodeBatch:
         p.pages = [p.pages[i] for i in keep]
         p.resize(len(self.slots))
 
-    def _batched(self, cache: Any) -> Any:
+    def _batched(self, layer: int, cache: Any) -> Any:
         if isinstance(cache, KVCache) and not isinstance(cache, RotatingKVCache):
-            return BatchedKV(self.positions)
+            return BatchedKV(self.positions, layer)
         if isinstance(cache, ArraysCache):
             return BatchedStates(len(cache.cache))
         return None  # mlx-lm's merged cache, made from the first joining row
@@ -471,3 +384,14 @@ def _length(cache: list[Any]) -> int:
         if isinstance(c, KVCache) or isinstance(c, RotatingKVCache):
             return int(c.offset)
     return 0
+
+
+def standalone(cache: list[Any]) -> DecodeBatch:
+    """A decode batch with a pool of its own for the full-attention layers of `cache` (a
+    model's mlx-lm prompt caches after a prompt), for measuring outside the runner."""
+    layers = [i for i, c in enumerate(cache)
+              if isinstance(c, KVCache) and not isinstance(c, RotatingKVCache)]
+    store = KvPages(layers)
+    if layers:
+        store.open(cache)
+    return DecodeBatch(store)

@@ -9,8 +9,11 @@ Where a row is, by state:
 - `state[row]`: its live recurrent-state slot (hybrid models), from admission until release
   or until the row donates the slot to the prefix tree. The state itself stays in the row's
   caches; storage.py reads it from there when an op keeps it.
-- `pending_load[row]`: the KV slots of its cached prefix, from a KV_LOAD op until its first
-  prompt chunk builds its caches from them.
+- `pages[row]`: its page table, the scheduler's (PAGES ops): where its full-attention layers'
+  KV is in the one pool (kv_pages.py), its cached prefix's pages first. Prompt chunks and the
+  decode batch read this very list, so a PAGES op that extends it reaches both. Kept after
+  release: the next request of the row replaces it (its PAGES may ride in the batch that
+  releases the row, and ops apply before releases).
 - `prefilling[row]`: its own per-layer mlx-lm caches, while its prompt runs chunk by chunk.
 - `waiting[row]`: the same caches once its prompt was sampled on its own (nothing decoded in
   that step), until the first step that decodes it joins them to the decode batch. A request
@@ -24,16 +27,14 @@ Where a row is, by state:
   row, so a decode step is one forward of shape [positions, 1]. `decode_rows` are the rows
   that decode, in position order. A row that stopped decoding but is not released yet (it
   finished while a step was in flight, or is being retracted) is parked there: it keeps its
-  position and KV, which may still be saved for the prefix cache.
+  position and pages until it is released.
 
-How a row moves, in a step's order: a KV_LOAD op (load_later) -> admit -> its first chunk
+How a row moves, in a step's order: a PAGES op (set_pages) -> admit -> its first chunk
 (start_prompt) -> its last chunk (end_prompt, then join_decode: at once when its last token
 runs in this step's decode forward; wait_to_decode when the prompt was sampled on its own,
 joining in keep_decoding when it first decodes) ->
 keep_decoding leaves it out: parked -> release (its position becomes a hole), which forgets it
-everywhere except
-`pending_load` (the load for the row's next request may ride in the batch that releases it:
-ops apply before releases).
+everywhere except `pages`.
 """
 
 from __future__ import annotations
@@ -43,23 +44,21 @@ from typing import Any
 import mlx.core as mx
 
 from actors.model_runner.decode_batch import DecodeBatch
+from actors.model_runner.errors import StepError
+from actors.model_runner.kv_pages import KvPages
 from actors.model_runner.layers import Layers
 from actors.model_runner.windows import window_of
 
 
-class StepError(RuntimeError):
-    """The batch contradicts the runner's state: a scheduler bug, reported, never hidden."""
-
-
 class Rows:
-    def __init__(self, max_rows: int):
+    def __init__(self, max_rows: int, store: KvPages):
         self.token_buf = mx.zeros((max_rows + 1,), dtype=mx.int32)  # row 0 is padding
         self.state: dict[int, int] = {}  # row -> its live state slot
-        self.pending_load: dict[int, list[int]] = {}  # row -> KV slots of its cached prefix
+        self.pages: dict[int, list[int]] = {}  # row -> its page table
         self.prefilling: dict[int, list[Any]] = {}  # row -> per-layer caches, mid-prompt
         self.waiting: dict[int, list[Any]] = {}  # row -> its caches, prompt done, not joined
         self.head_input: dict[int, tuple[mx.array, int, mx.array | None]] = {}
-        self.decode = DecodeBatch()
+        self.decode = DecodeBatch(store)
 
     # -- admission, release, ops ----------------------------------------------------------------
 
@@ -86,9 +85,16 @@ class Rows:
                             f"is {self.state.get(row)}")
         del self.state[row]
 
-    def load_later(self, row: int, slots: list[int]) -> None:
-        """The row's next prompt starts from these KV slots (used by its first chunk)."""
-        self.pending_load[row] = slots
+    def set_pages(self, row: int, start: int, pages: list[int]) -> None:
+        """The row's page table from index `start` on (in place: its readers hold the list)."""
+        if start == 0:  # a new request's table: a new list (the last one's readers may hold theirs)
+            self.pages[row] = list(pages)
+            return
+        table = self.pages.get(row, [])
+        if start > len(table):
+            raise StepError(f"row {row}: pages from index {start} of a table of {len(table)}")
+        del table[start:]
+        table += pages
 
     def holder(self, slot: int) -> int | None:
         """The row holding this state slot live, if one does."""
@@ -107,16 +113,6 @@ class Rows:
             return self.decode.states_of(row, layers)
         return None
 
-    def kv_of(self, row: int) -> tuple[list[Any], int]:
-        """Where a KV save reads the row's KV: (per-layer caches, the row's index in them).
-        Mid-prompt rows have caches of their own; decoding and parked rows a position."""
-        own = self._own_caches(row)
-        if own is not None:
-            return own, 0
-        if row not in self.decode.where:
-            raise StepError(f"KV save for row {row}, which holds no KV")
-        return self.decode.kv_of(row)
-
     def _own_caches(self, row: int) -> list[Any] | None:
         """The row's per-layer caches of its own (mid-prompt, or waiting to decode), if any."""
         own = self.prefilling.get(row)
@@ -126,10 +122,6 @@ class Rows:
 
     def prompt_cache(self, row: int) -> list[Any] | None:
         return self.prefilling.get(row)
-
-    def take_load(self, row: int) -> list[int]:
-        """The KV slots a KV_LOAD gave the row's new prompt ([] if none)."""
-        return self.pending_load.pop(row, [])
 
     def start_prompt(self, row: int, cache: list[Any]) -> None:
         self.prefilling[row] = cache
@@ -145,7 +137,7 @@ class Rows:
         return self.decode.rows
 
     def join_decode(self, row: int, cache: list[Any]) -> None:
-        self.decode.join(row, cache)
+        self.decode.join(row, cache, self.pages[row])
 
     def wait_to_decode(self, row: int, cache: list[Any]) -> None:
         """The row's prompt was sampled on its own: it joins the batch when it first decodes."""
@@ -161,7 +153,7 @@ class Rows:
         for row in rows:
             cache = self.waiting.pop(row, None)
             if cache is not None:
-                self.decode.join(row, cache)
+                self.decode.join(row, cache, self.pages[row])
         missing = set(rows) - self.decode.decoding
         if missing:
             raise StepError(f"rows {sorted(missing)} decode but were never prefilled")

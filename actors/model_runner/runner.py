@@ -32,7 +32,8 @@ from actors.model_runner.pipeline import before_host_sync
 from actors.model_runner.prompt_scores import PendingScores, score_chunk
 from actors.model_runner.rows import Rows, StepError
 from actors.model_runner.sampling import Pending, RowParams, Sampled, Sampler
-from actors.model_runner.storage import KvPool, Pools, StatePool
+from actors.model_runner.kv_pages import PAGE, KvPages
+from actors.model_runner.storage import Pools, StatePool
 from protocol import messages as m
 from protocol.codec import unpack_ids
 from protocol.config import RuntimeConfig
@@ -57,9 +58,10 @@ class ModelRunner:
                  vocab_size: int = 0, eos_ids: list[int] = (),
                  runtime: RuntimeConfig = RuntimeConfig(), tokenizer_dir: str | None = None,
                  compile_decode: bool | None = None):
-        """tokenizer_dir: where tokenizer.json is, for constrained rows' grammars (none: a
-        constrained row is refused). compile_decode: runtime.compile_decode unless given (the
-        actor turns it off with tensor parallelism)."""
+        """kv_slots: the KV budget in tokens, whole pages of it and the scratch page held at
+        most (0: no bound). tokenizer_dir: where tokenizer.json is, for constrained rows'
+        grammars (none: a constrained row is refused). compile_decode: runtime.compile_decode
+        unless given (the actor turns it off with tensor parallelism)."""
         self.model = model
         self.layers = Layers.of(classify(model))  # first: a model it cannot serve is refused
         self.eos_ids = tuple(eos_ids)
@@ -69,17 +71,17 @@ class ModelRunner:
             grammar = RowMatchers(partial(grammars_for, tokenizer_dir, vocab, self.eos_ids[0]))
         self.sampler = Sampler(vocab, max_rows, grammar=grammar)
         self.cpu = cpu.install(model, runtime, self.sampler.vocab)
-        kv = KvPool(self.layers.full, kv_slots) if kv_slots else None
-        if kv is not None:
+        kv = KvPages(self.layers.full, kv_slots // PAGE + 1 if kv_slots else None)
+        if self.layers.full:
             cache = make_prompt_cache(model)
             model(mx.array([[0]]), cache=cache)
-            kv.open_first(cache)
+            kv.open(cache)
         states = StatePool(state_slots) if self.layers.stateful and state_slots else None
         # Hybrid models keep the head's input with a prompt's snapshot (storage.py) and sample
         # an exact repeat from it, through the head module found here.
         self.head = greedy_head.find_head(model) if states is not None else None
         self.pools = Pools(self.layers, kv, states)
-        self.rows = Rows(max_rows)
+        self.rows = Rows(max_rows, kv)
         self.compiled = None
         kernels = weights.compiled_kernels(runtime)
         if (runtime.compile_decode if compile_decode is None else compile_decode) \
@@ -111,7 +113,7 @@ class ModelRunner:
         token_buf) before finish() waits for this one. Where building the step has to wait
         for values, pipeline.before_host_sync() runs first."""
         early = self._queues_early(batch)
-        with self.cpu.steps(in_place=early):
+        with self.cpu.steps(in_place=True):
             started = time.perf_counter()
             for op in batch.ops:
                 self.pools.apply(op, self.rows)
@@ -241,7 +243,7 @@ class ModelRunner:
         """Put the sampled tokens into token_buf in the batch's row order and queue the step
         on the MLX stream. Pool writes are lazy scatters: evaluated with each step, or every
         step would chain onto the last and keep its arrays alive until a later read."""
-        pending = self.pools.arrays()
+        pending = []
         out_rows = [r for r, s in zip(batch.rows, batch.sample) if s]
         drawn = [r for rows, _ in parts for r in rows]
         where = {r: i for i, r in enumerate(drawn)}
@@ -256,6 +258,10 @@ class ModelRunner:
             pending.append(self.rows.token_buf)
             pending += [got.arrays() for _, got in parts]
         pending += [s.arrays() for s in scores]
+        # The pools last: MLX orders a graph's evaluation by walking from its outputs, so each
+        # row's reads of a pool array come before the next row's write takes the array over
+        # (MLX's path copies an array it cannot take over).
+        pending += self.pools.arrays()
         if self.queue_blocks and not early:
             before_host_sync()
         mx.async_eval(pending)
@@ -405,11 +411,9 @@ class ModelRunner:
         """Fresh caches for a new prompt, filled from the pools: the cached prefix's KV (if the
         scheduler found one) and the recurrent state (cleared or copied by the ops); and what
         that state kept of the head's input, if anything (storage.HEAD_INPUT)."""
-        slots = self.rows.take_load(row)
-        if len(slots) != start:
-            raise StepError(f"row {row}: prompt starts at {start} with {len(slots)} cached slots")
         cache = make_prompt_cache(self.model)
-        kept = self.pools.restore(cache, slots, self.rows.state.get(row))
+        kept = self.pools.restore(row, cache, start, self.rows.pages.get(row, []),
+                                  self.rows.state.get(row))
         self.rows.start_prompt(row, cache)
         return cache, kept
 

@@ -23,6 +23,7 @@ from models.sizing import kv_capacity, state_capacity
 from models.tokenizer import load_decoder
 from protocol import messages as m
 from protocol.codec import unpack_ids
+from protocol.messages import KV_PAGE
 
 
 class SchedulerActor:
@@ -79,7 +80,8 @@ class SchedulerActor:
         self.core = self._build_core(layers)
         self.stats_at, self.last_stats = time.monotonic(), self.core.memory.stats()
         mem = self.core.memory
-        self.log.info("scheduler.config", overlap=self.depth == 2, kv_slots=mem.slots.capacity,
+        self.log.info("scheduler.config", overlap=self.depth == 2, kv_slots=mem.kv.capacity,
+                      kv_pages=mem.kv.pages_total, kv_page_tokens=KV_PAGE,
                       state_slots=mem.states.capacity if mem.states else 0,
                       prefix_cache=mem.prefix, share_groups=mem.tree is not None,
                       rows=self.core.rows.size, chunked_prefill_size=self.core.chunk)
@@ -146,9 +148,12 @@ class SchedulerActor:
 
     def _emit(self, out: Outputs) -> None:
         self._log_endings(out)  # request.ended before the tokenizer's request.finished
+        stats = self.core.memory.stats()
         self.shell.send_now("detokenizer", out.to_batch(
             running=len(self.core.running), queued=len(self.core.queue),
-            replica=self.shell.replica))
+            replica=self.shell.replica,
+            kv_pages=[stats[k] for k in ("pages_total", "pages_used", "pages_cached",
+                                         "pages_free")]))
 
     def _next_batch(self) -> m.ForwardBatch | None:
         return self.core.schedule() if len(self.core.futures) < self.depth else None
@@ -178,7 +183,7 @@ class SchedulerActor:
     def _log_retractions(self, out: Outputs, logged: int) -> int:
         """Log out.retracted[logged:]; returns how many of out.retracted are logged now."""
         for rid in out.retracted[logged:]:
-            self.log.warning("request.retracted", rid=rid, free_slots=self.core.slots.available)
+            self.log.warning("request.retracted", rid=rid, free_slots=self.core.kv.available)
         return len(out.retracted)
 
     def _log_endings(self, out: Outputs) -> None:
@@ -203,7 +208,9 @@ class SchedulerActor:
             hits = stats["hit_tokens"] - self.interval_hits
             self.log.info("cache.stats", hit_rate=round(hits / self.admitted_tokens, 4),
                           hit_tokens=hits, prompt_tokens=self.admitted_tokens,
-                          cached_tokens=stats["cached_tokens"], free_slots=stats["free_slots"])
+                          cached_tokens=stats["cached_tokens"], free_slots=stats["free_slots"],
+                          pages_free=stats["pages_free"], pages_used=stats["pages_used"],
+                          pages_cached=stats["pages_cached"])
             self.stats_at, self.admitted_tokens, self.interval_hits = now, 0, stats["hit_tokens"]
         self.last_stats = stats
 
@@ -216,7 +223,7 @@ class SchedulerActor:
                 self.log.error("scheduler.leak", **leaks)
             else:
                 self.log.info("scheduler.idle", free_rows=self.core.rows.available,
-                              free_slots=self.core.slots.available)
+                              free_slots=self.core.kv.available)
         self.was_idle = idle
 
 

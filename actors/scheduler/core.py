@@ -7,8 +7,8 @@ schedule() is policy only: which running requests decode, how much of which prom
 the chunk budget, who is admitted (FIFO, while memory lasts) and who is retracted. The pieces it
 decides with have their own files: request.py (a request's states and counters), future_map.py
 (decode inputs are futures; steps in flight pin what they carry), batch.py (the ForwardBatch's
-columns), retraction.py (who gives memory back when decode runs out), memory.py (KV and state
-slots, the prefix tree and the ops for the runner).
+columns), retraction.py (who gives memory back when decode runs out), memory.py (KV pages,
+state slots, the prefix tree and the ops for the runner).
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ class Scheduler:
         # choices of a group prefill on their own, and nothing goes through the tree.
         self.memory = Memory(kv_slots, state_slots, prefix_cache, share_groups, snapshot_interval,
                              head_input)
-        self.slots = self.memory.slots
+        self.kv = self.memory.kv
         self.chunk = chunked_prefill_size
         self.context_length = context_length
         self.decode = decode  # for stop strings: decodes the tail of an output
@@ -75,10 +75,10 @@ class Scheduler:
             return self._reject(rid, len(prompt), f"prompt has {len(prompt)} tokens; the "
                                 f"model's context is {self.context_length}")
         need = len(prompt) + self._reserve(params.max_new_tokens)
-        if need > self.slots.capacity:
+        if need > self.kv.capacity:
             return self._reject(rid, len(prompt), f"prompt of {len(prompt)} tokens plus an "
                                 f"output reserve needs {need} KV slots; the server has "
-                                f"{self.slots.capacity}")
+                                f"{self.kv.capacity}")
         if len(self.queue) >= self.max_queued:
             return self._reject(rid, len(prompt), f"queue full ({self.max_queued} requests "
                                 "waiting); retry later", code=503)
@@ -96,7 +96,7 @@ class Scheduler:
             self._finish(req, "abort")
             self._release(req)
         else:
-            # A step in flight may touch its row and slots: only mark it. The next result
+            # A step in flight may touch its row and pages: only mark it. The next result
             # that carries it ends it; if none is in flight, the next schedule() does.
             req.aborted = True
         return self.take()
@@ -274,7 +274,7 @@ class Scheduler:
     def _decode_rows(self, step: BatchBuilder) -> None:
         for req in self._decodable():
             self.memory.cache_prompt(req, req.row)
-            req.slots += self.slots.alloc(1)
+            self.memory.grow(req, req.row, req.kv_len + 1)
             step.decode(req)
             req.kv_len += 1
             req.sampled += 1
@@ -291,9 +291,10 @@ class Scheduler:
 
     def _decodable(self) -> list[Request]:
         """Running requests that get a decode row in the next step, after retracting the ones
-        with least progress until every remaining one has a free slot for its next token."""
+        with least progress until every remaining one has room for its next token (a free
+        page, for those whose pages are full)."""
         want = [r for r in self.running if self._would_decode(r)]
-        while not self.memory.make_room(len(want)):
+        while not self.memory.make_room(sum(r.pages_short(r.kv_len + 1) for r in want)):
             victim = pick_victim(self.running)
             if victim in want:
                 want.remove(victim)

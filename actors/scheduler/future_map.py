@@ -7,7 +7,7 @@ step N+1 can be built and sent before step N's tokens are known (overlap). The m
 the request-pool row, which the request keeps from admission to release, so a future can never
 resolve to another request's token.
 
-What a built step references (the row, its KV and state slots) stays allocated until that step
+What a built step references (the row, its KV pages and state slot) stays allocated until that step
 returns: each step in flight pins the requests it carries (`Request.inflight`), and a request is
 released only at zero. Results come back in step order, one per step.
 """

@@ -1,10 +1,18 @@
-"""The scheduler's memory: KV slots, recurrent-state slots, the radix prefix tree, and the
+"""The scheduler's memory: KV pages, recurrent-state slots, the radix prefix tree, and the
 deferred ops (ops.py) that tell the runner what to do with its own memory (docs/architecture.md,
 sections 6 and 8).
 
-What a request holds:
-- `slots[:tree_len]` belong to the tree (locked through `req.lock`), `slots[tree_len:]` are its
-  own; `state` (hybrid models) is its live recurrent-state slot.
+One KV pool, addressed by page (protocol.messages.KV_PAGE): the tree and every request's page
+table point into it, so a cached prefix is read where it was computed. What a request holds:
+- `pages`, its page table (sent to the runner: Op PAGES); the tree's slots of its first
+  `tree_len` positions stay alive through `req.lock`, and `held` are the slots it frees itself.
+- A prefix hit shares each page of the prefix the tree holds whole, and copies the rest of the
+  prefix (a partial last page, or a page mixed from two requests' inserts) into its own pages
+  (Op KV_COPY): slots stay where their positions are, slot % KV_PAGE == position % KV_PAGE.
+  The tree's pages it copied from stay locked with its prefix while it runs: alone in a full
+  pool it ends short of the whole capacity by them, and one they keep from being admitted at
+  all computes its prefix instead (admit).
+- `state` (hybrid models) is its live recurrent-state slot.
 
 Exact repeats of a hybrid prompt (`head_input`, where the runner supports it): the state after
 a prompt is cached with the LM head's input at its last token (ModelLayers.head_input), so a
@@ -18,17 +26,17 @@ from __future__ import annotations
 from typing import Any
 
 from actors.scheduler.ops import OpQueue
-from actors.scheduler.pools import SlotPool
+from actors.scheduler.pools import PagePool, SlotPool, page_slots, pages_for
 from actors.scheduler.radix import Match, RadixCache
 from actors.scheduler.request import Request
-from protocol.messages import OpKind
+from protocol.messages import KV_PAGE, OpKind
 
 
 class Memory:
     def __init__(self, kv_slots: int, state_slots: int = 0, prefix: bool = False,
                  share_groups: bool = True, snapshot_interval: int = 0,
                  head_input: bool = False):
-        self.slots = SlotPool(kv_slots)
+        self.kv = PagePool(kv_slots)
         self.states = SlotPool(state_slots) if state_slots else None
         # Hybrid models resume a prefix only where a state snapshot was taken, and snapshots
         # are taken where chunks end: with the prefix cache on, chunks also end at multiples
@@ -37,9 +45,9 @@ class Memory:
         self.head_input = head_input and bool(state_slots)
         # Without the prefix cache the tree still carries a group's shared prompt (n > 1) from
         # the sibling that computed it to the others, and is emptied when they let go of it.
-        # share_groups False (layers the tree cannot restore): no tree, no KV op at all.
+        # share_groups False (layers the tree cannot restore): no tree, no KV copy at all.
         self.prefix = prefix
-        self.tree = RadixCache(self.slots, self.states) if prefix or share_groups else None
+        self.tree = RadixCache(self.kv, self.states) if prefix or share_groups else None
         self.ops = OpQueue()
         # The runner lost its memory (a failed step): the tree points at nothing until every
         # prefix in it has gone (forget).
@@ -50,7 +58,7 @@ class Memory:
 
     def admit(self, req: Request, row: int, reserve: int) -> bool:
         """Find the request's cached prefix, make room for the rest plus `reserve`, and take
-        its slots; False (nothing taken) if memory is short."""
+        its pages; False (nothing taken) if memory is short."""
         match = self._lock_match(req)
         if self.states is not None and not self._state_room():
             # The only snapshots left may be on this request's own path: give them up.
@@ -60,20 +68,33 @@ class Memory:
             if not self.states.available:
                 return False
             match = self._lock_match(req)
-        cached = match.length if match else 0
-        if not self.make_room(len(req.fill) - cached + reserve):
+        if not self._take_pages(req, match, reserve):
             self._unlock(match)
-            return False
-        req.slots = (match.slots if match else []) + self.slots.alloc(len(req.fill) - cached)
+            if match is None or not match.length or not self._alone():
+                return False
+            # Alone and still short: the tree pages its prefix was to be copied from are
+            # locked by its own match. It computes the prefix instead of waiting for ever.
+            match = None
+            if not self._take_pages(req, None, reserve):
+                return False
+        cached, prefix = (match.length, match.slots) if match else (0, [])
         req.tree_len, req.lock = cached, match.node if match else None
         req.filled = req.kv_len = cached
         req.chunk_ends = self._chunk_ends(req, match)
         if not req.retractions:
             req.cached = cached
+        self.ops.pages(row, 0, req.pages)
         if cached:
             self.hits += 1
             self.hit_tokens += cached
-            self.ops.kv_load(row, match.slots)
+            # Shared pages are the tree's own slots: the rest of the prefix is copied.
+            src, dst = [], []
+            for tree_slot, mine in zip(prefix, req.slots(0, cached)):
+                if tree_slot != mine:
+                    src.append(tree_slot)
+                    dst.append(mine)
+            if src:
+                self.ops.kv_copy(src, dst)
         if self.states is not None:
             req.state = self.states.alloc(1)[0]
             if cached:
@@ -81,6 +102,26 @@ class Memory:
             else:
                 self.ops.clear(req.state)
         return True
+
+    def _take_pages(self, req: Request, match: Match | None, reserve: int) -> bool:
+        """The request's page table: the pages of its cached prefix the tree holds whole,
+        and its own pages for the rest of its fill, after making room for them and for the
+        pages `reserve` more tokens would take (up to the whole pool: alone, a request is
+        always admitted, as Scheduler.add checked). False, nothing taken, if short."""
+        table = _shared_pages(match.slots if match else [], len(req.fill))
+        own = table.count(None)
+        reach = min(len(req.fill) + reserve, self.kv.capacity)
+        if not self.make_room(own + pages_for(reach) - len(table)):
+            return False
+        fresh = iter(self.kv.alloc_pages(own))
+        req.pages = [page if page is not None else next(fresh) for page in table]
+        req.held = {s for page, shared in zip(req.pages, table) if shared is None
+                    for s in page_slots(page)}
+        return True
+
+    def _alone(self) -> bool:
+        """No request holds KV or a lock on the tree."""
+        return self.tree.root.lock == 0 and self.kv.held_slots == self.tree.cached_tokens
 
     def _chunk_ends(self, req: Request, match: Match | None) -> list[int]:
         """Where the request's prefill chunks end so the tree can resume others there. Dense
@@ -138,12 +179,22 @@ class Memory:
         if match is not None:
             self.tree.unlock(match.node)
 
-    def make_room(self, n: int) -> bool:
-        """At least n free KV slots, evicting unlocked cached prefixes (LRU) if needed."""
-        short = n - self.slots.available
-        if short > 0 and self.tree is not None:
-            self.evicted_tokens += self.tree.evict(short)
-        return self.slots.available >= n
+    def make_room(self, pages: int) -> bool:
+        """At least this many free KV pages, evicting unlocked cached prefixes (LRU) if
+        needed."""
+        if self.kv.pages_free < pages and self.tree is not None:
+            self.evicted_tokens += self.tree.evict_pages(pages)
+        return self.kv.pages_free >= pages
+
+    def grow(self, req: Request, row: int, positions: int) -> None:
+        """The request's page table covers this many positions: a decode row that crosses
+        into a new page takes one (after make_room) and the runner is told."""
+        short = req.pages_short(positions)
+        if short:
+            new = self.kv.alloc_pages(short)
+            self.ops.pages(row, len(req.pages), new)
+            req.pages += new
+            req.held.update(s for page in new for s in page_slots(page))
 
     def _state_room(self) -> bool:
         if not self.states.available and self.tree is not None:
@@ -166,7 +217,9 @@ class Memory:
         chunk's batch starts) copies the live state into a new slot; DONATE (the request ended
         after exactly n tokens) gives the live slot itself, no copy; None caches no state.
         head_input: the row's last forward ran position n - 1 and sampled after it, and the
-        state keeps the head's input there. KV is saved only where the tree kept our slots."""
+        state keeps the head's input there. The KV stays where it is: the tree takes the
+        request's slots of the positions it did not hold yet, and the request keeps reading
+        them through its page table (its own copies of the others it frees at release)."""
         if not self._uses_tree(req) or n <= req.tree_len:
             return
         seq = (req.prompt + req.output)[:n]
@@ -175,20 +228,13 @@ class Memory:
             state = req.state
         elif self.states is not None and state_op is OpKind.SNAPSHOT and self._state_room():
             state = self.states.alloc(1)[0]
-        node = self.tree.insert(seq, req.slots[:n], state=state, head_input=head_input)
+        mine = req.slots(0, n)
+        node = self.tree.insert(seq, mine, state=state, head_input=head_input)
         kept = self.tree.path_slots(node)
-        start = req.tree_len
-        while start < n:  # one save per run of positions whose slots the tree took from us
-            if kept[start] != req.slots[start]:
-                start += 1
-                continue
-            end = start
-            while end < n and kept[end] == req.slots[end]:
-                end += 1
-            self.ops.kv_save(row, start, kept[start:end])
-            self.inserted_tokens += end - start
-            start = end
-        req.slots[:n] = kept
+        for p in range(req.tree_len, n):
+            if kept[p] == mine[p]:
+                req.held.remove(mine[p])
+                self.inserted_tokens += 1
         if state is not None and state_op is OpKind.SNAPSHOT and node.state == state:
             self.ops.snapshot(req.state, state, head_input)
         if state is not None and state_op is OpKind.DONATE:
@@ -215,14 +261,12 @@ class Memory:
             # input at position known - 1.
             self.cache_prefix(req, row, known, OpKind.DONATE if known == req.kv_len else None,
                               head_input=self.head_input and not req.prefilling)
-        own = req.slots[req.tree_len:]  # tree_len is 0 without the prefix cache
-        if own:
-            self.slots.free(own)
+        self.kv.free(req.held)
         if req.lock is not None:
             self.tree.unlock(req.lock)
         if req.state >= 0:
             self.states.free([req.state])
-        req.slots, req.tree_len, req.lock, req.state = [], 0, None, -1
+        req.pages, req.held, req.tree_len, req.lock, req.state = [], set(), 0, None, -1
         if req.group and self.tree is not None and not self.prefix:
             # No cache across requests: drop what the group let go of.
             self.evicted_tokens += self.tree.evict(self.tree.cached_tokens)
@@ -255,7 +299,7 @@ class Memory:
                 tree_slots.update(node.slots)
                 if node.state is not None:
                     tree_states.add(node.state)
-        out: dict[str, Any] = {"slots": sorted(self.slots.owned - tree_slots)}
+        out: dict[str, Any] = {"slots": sorted(self.kv.owned - tree_slots)}
         if self.states is not None:
             out["states"] = sorted(self.states.owned - tree_states)
         if self.tree is not None and self.tree.root.lock:
@@ -263,7 +307,26 @@ class Memory:
         return out
 
     def stats(self) -> dict[str, int]:
-        cached = self.tree.cached_tokens if self.tree is not None else 0
-        return {"free_slots": self.slots.available, "cached_tokens": cached,
+        """free_slots: the free pages' tokens. pages_used: held by a request or the tree;
+        pages_cached: holding a slot of the tree (a page can be both)."""
+        tree = self.tree
+        return {"free_slots": self.kv.available,
+                "cached_tokens": tree.cached_tokens if tree is not None else 0,
+                "pages_total": self.kv.pages_total, "pages_free": self.kv.pages_free,
+                "pages_used": self.kv.pages_total - self.kv.pages_free,
+                "pages_cached": tree.cached_pages if tree is not None else 0,
                 "hits": self.hits, "hit_tokens": self.hit_tokens,
                 "inserted_tokens": self.inserted_tokens, "evicted_tokens": self.evicted_tokens}
+
+
+def _shared_pages(prefix: list[int], length: int) -> list[int | None]:
+    """A page table for `length` positions whose cached prefix is in the tree's slots
+    `prefix`: per page, the tree's page where the prefix fills it with exactly that page's
+    slots (read in place), else None (a page of the request's own)."""
+    table: list[int | None] = [None] * pages_for(length)
+    for i in range(len(prefix) // KV_PAGE):
+        first = prefix[i * KV_PAGE]
+        if first % KV_PAGE == 0 and prefix[i * KV_PAGE:(i + 1) * KV_PAGE] == list(
+                range(first, first + KV_PAGE)):
+            table[i] = first // KV_PAGE
+    return table

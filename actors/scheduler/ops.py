@@ -39,13 +39,15 @@ class OpQueue:
         """A request ended exactly at a cached prefix: its live slot becomes the node's, no copy."""
         self._ops.append(m.Op(kind=Kind.DONATE, src=live, dst=row, head_input=head_input))
 
-    def kv_save(self, row: int, start: int, slots: list[int]) -> None:
-        """The row's KV at positions [start, start + len(slots)) goes to those pool slots."""
-        self._ops.append(m.Op(kind=Kind.KV_SAVE, dst=row, start=start, slots=pack_ids(slots)))
+    def pages(self, row: int, start: int, pages: list[int]) -> None:
+        """The row's page table from index `start` on is `pages` (start 0: the whole table)."""
+        self._ops.append(m.Op(kind=Kind.PAGES, dst=row, start=start, slots=pack_ids(pages)))
 
-    def kv_load(self, row: int, slots: list[int]) -> None:
-        """The row's next prompt starts with the cached prefix held in these pool slots."""
-        self._ops.append(m.Op(kind=Kind.KV_LOAD, dst=row, slots=pack_ids(slots)))
+    def kv_copy(self, src: list[int], dst: list[int]) -> None:
+        """KV of slots `src` into slots `dst` of the one pool, pairwise."""
+        if len(src) != len(dst):
+            raise ValueError(f"a KV copy of {len(src)} slots into {len(dst)}")
+        self._ops.append(m.Op(kind=Kind.KV_COPY, slots=pack_ids(list(src) + list(dst))))
 
     def take(self) -> list[m.Op]:
         ops, self._ops = self._ops, []

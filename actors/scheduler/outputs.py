@@ -25,7 +25,9 @@ class Outputs:
     def __bool__(self) -> bool:
         return bool(self.tokens or self.finished)
 
-    def to_batch(self, running: int = 0, queued: int = 0, replica: int = 0) -> m.TokenBatch:
+    def to_batch(self, running: int = 0, queued: int = 0, replica: int = 0,
+                 kv_pages: list[int] = ()) -> m.TokenBatch:
+        """`kv_pages`: [total, used, cached, free] of the KV pool (empty: not reported)."""
         rids = list(self.tokens)
         flat = [t for rid in rids for t in self.tokens[rid]]
         lps: list[float] = []
@@ -42,7 +44,8 @@ class Outputs:
                             token_ids=pack_ids(flat), finished=self.finished, logprobs=lps,
                             top_ids=top_ids, top_logprobs=top_lps, stops=self.stops,
                             prompt_scores=self.prompt_scores,
-                            running=running, queued=queued, replica=replica)
+                            running=running, queued=queued, replica=replica,
+                            kv_pages=list(kv_pages))
 
     def merge(self, other: "Outputs") -> None:
         for rid, toks in other.tokens.items():

@@ -6,7 +6,7 @@ A radix node restores a prefix from KV slots (full-attention layers) and, for hy
 sliding-window models, a state snapshot (recurrent layers' states; sliding-window layers' last
 `window` positions: actors/model_runner/windows.py). Nothing restores a layer of another kind
 yet. For such a model the tree is not used at all: no prefix cache, and the n choices of a
-group each prefill their prompt (sharing it goes through the same KV save and load).
+group each prefill their prompt (sharing it goes through the same tree).
 """
 
 from __future__ import annotations

@@ -2,6 +2,9 @@
 prefix reuses those slots instead of recomputing them. Pure data: no arrays, no clock.
 
 Token granular: a node's `key` (tokens) and `slots` (one KV slot per token) are aligned lists.
+Each slot was written for its position by the request that computed it, so it sits at that
+position's offset in its page (slot % KV_PAGE == position % KV_PAGE): a later request reads a
+whole page of the path in place, through its page table, and copies only partial ones.
 For hybrid models a node may also hold `state`: the recurrent-state slot after its last token.
 A prefix is only resumable by a hybrid model where such a snapshot exists (match need_state).
 `head_input`: that slot also keeps the LM head's input at the node's last token (a prompt's
@@ -12,18 +15,20 @@ node.lock == locks held on node's subtree, and lock == 0 means the whole subtree
 A split keeps the original node object as the LOWER half, so a caller holding a lock on it
 still unlocks the right path afterwards.
 
-Costs: match / insert / lock / unlock are O(length of the tokens or path). evict and
-evict_states walk the whole tree once and use a heap: O(nodes + k log nodes) per call.
+Costs: match / insert / lock / unlock are O(length of the tokens or path). evict, evict_pages
+and evict_states walk the whole tree once and use a heap: O(nodes + k log nodes) per call.
 """
 
 from __future__ import annotations
 
 import heapq
+from collections import Counter
 from dataclasses import dataclass
 from itertools import count
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
-from actors.scheduler.pools import SlotPool
+from actors.scheduler.pools import PagePool, SlotPool
+from protocol.messages import KV_PAGE
 
 
 class Node:
@@ -53,13 +58,14 @@ class Match:
 
 
 class RadixCache:
-    def __init__(self, kv: SlotPool, states: SlotPool | None = None):
+    def __init__(self, kv: PagePool, states: SlotPool | None = None):
         self.kv, self.states = kv, states
         self._seq = count()
         self._clock = 0
         self.root = Node([], [], None, 0, next(self._seq))
         self._cached = 0  # kv slots held by the tree
         self._evictable = 0  # kv slots in nodes with lock == 0 (their whole subtree is unlocked)
+        self._pages: Counter[int] = Counter()  # kv page -> slots of it the tree holds
 
     @property
     def cached_tokens(self) -> int:
@@ -68,6 +74,11 @@ class RadixCache:
     @property
     def evictable_tokens(self) -> int:
         return self._evictable
+
+    @property
+    def cached_pages(self) -> int:
+        """KV pages holding at least one slot of the tree."""
+        return len(self._pages)
 
     # -- lookup and insertion ----------------------------------------------------------------
 
@@ -115,15 +126,16 @@ class RadixCache:
 
     def insert(self, tokens: Sequence[int], slots: Sequence[int], state: int | None = None,
                head_input: bool = False) -> Node:
-        """Cache tokens[i] -> slots[i]; the tree takes ownership of every slot passed. Where a
-        token is already cached the tree keeps its slot and frees the caller's, unless they are
-        the same id (a caller passing back slots it got from match). Returns the node ending
-        exactly at len(tokens); a given state goes there, or back to its pool if the node has
-        one already (unless only the given one keeps the head's input: then it replaces it)."""
+        """Cache tokens[i] -> slots[i]. Where a token is cached already the tree keeps its own
+        slot and the caller keeps (and frees) its copy; the tree takes ownership only of the
+        slots it stores, those after the cached prefix (path_slots tells which). Returns the
+        node ending exactly at len(tokens); a given state goes there, or back to its pool if
+        the node has one already (unless only the given one keeps the head's input: then it
+        replaces it)."""
         tokens, slots = list(tokens), list(slots)
         assert len(tokens) == len(slots), f"{len(tokens)} tokens, {len(slots)} slots"
         self._clock += 1
-        node, i, dup = self.root, 0, []
+        node, i = self.root, 0
         node.stamp = self._clock
         while i < len(tokens):
             child = node.children.get(tokens[i])
@@ -132,16 +144,14 @@ class RadixCache:
                 node.children[tokens[i]] = child
                 self._cached += len(child.key)
                 self._evictable += len(child.key)
+                self._pages.update(s // KV_PAGE for s in child.slots)
                 node, i = child, len(tokens)
                 break
             p = _common(child.key, tokens, i)
             if p < len(child.key):
                 child = self._split(child, p)
-            dup += [mine for mine, kept in zip(slots[i:i + p], child.slots) if mine != kept]
             node, i = child, i + p
             node.stamp = self._clock
-        if dup:
-            self.kv.free(dup)
         if state is not None:
             if node is self.root or (node.state is not None
                                      and (node.head_input or not head_input)):
@@ -154,8 +164,8 @@ class RadixCache:
         return node
 
     def path_slots(self, node: Node) -> list[int]:
-        """KV slots of the prefix ending at node, in order: what a request should read after
-        insert() swapped its duplicate slots for the tree's."""
+        """KV slots of the prefix ending at node, in order: after insert(), where they are
+        the caller's, the tree took them."""
         parts = []
         while node is not self.root:
             parts.append(node.slots)
@@ -184,12 +194,22 @@ class RadixCache:
 
     def evict(self, n: int) -> int:
         """Free at least n kv slots (if possible) from unlocked leaves, least recently used
-        first; a parent left an unlocked leaf joins the heap. Its stamp is >= its children's,
-        so the order stays LRU. Returns the kv slots freed."""
+        first. Returns the kv slots freed."""
+        return self._evict(lambda freed: freed >= n)
+
+    def evict_pages(self, n: int) -> int:
+        """Evict as evict() does until the kv pool has n free pages (if possible): a page is
+        free only once none of its slots is held, by the tree or by a request. Returns the kv
+        slots freed."""
+        return self._evict(lambda freed: self.kv.pages_free >= n)
+
+    def _evict(self, done: Callable[[int], bool]) -> int:
+        """A parent left an unlocked leaf joins the heap. Its stamp is >= its children's, so
+        the order stays LRU."""
         heap = [(x.stamp, x.seq, x) for x in self.walk() if not x.children and x.lock == 0]
         heapq.heapify(heap)
         freed = 0
-        while freed < n and heap:
+        while heap and not done(freed):
             _, _, leaf = heapq.heappop(heap)
             parent = leaf.parent
             freed += len(leaf.slots)
@@ -223,6 +243,11 @@ class RadixCache:
 
     def _drop(self, leaf: Node) -> None:
         self.kv.free(leaf.slots)
+        for s in leaf.slots:
+            page = s // KV_PAGE
+            self._pages[page] -= 1
+            if not self._pages[page]:
+                del self._pages[page]
         if leaf.state is not None:
             self._states().free([leaf.state])
             leaf.state, leaf.head_input = None, False
@@ -272,6 +297,7 @@ class RadixCache:
         assert cached == self._cached, f"cached_tokens {self._cached}, tree holds {cached}"
         assert evictable == self._evictable, f"evictable {self._evictable}, counted {evictable}"
         assert seen_slots <= self.kv.owned, "the tree holds a kv slot its pool calls free"
+        assert self._pages == Counter(s // KV_PAGE for s in seen_slots), "page counts drifted"
         if seen_states:
             assert seen_states <= self._states().owned, "the tree holds a free state slot"
 

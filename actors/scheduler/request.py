@@ -2,10 +2,10 @@
 
     QUEUED --admit--> RUNNING --stop/length/abort/error--> DONE --no step in flight--> released
        ^                 |
-       +---retract-------+   (out of memory: give back row and slots, recompute prompt + output)
+       +---retract-------+   (out of memory: give back row and pages, recompute prompt + output)
 
 A request leaves the scheduler (`Scheduler.requests`) only when no built step carries it any
-more (`inflight == 0`, future_map.py): until then its row and KV slots may still be written.
+more (`inflight == 0`, future_map.py): until then its row and KV pages may still be written.
 `aborted` and `retracting` mark a RUNNING request whose ending waits for its steps in flight.
 
 Counters, and what always holds between them (checked by tests/core/test_scheduler_properties.py):
@@ -14,8 +14,13 @@ Counters, and what always holds between them (checked by tests/core/test_schedul
   cached prefix at admission, then each chunk as it is cached), `filled` positions are in built
   prefill steps. `prefilling` while `filled < len(fill)`.
 - `kv_len`: positions whose KV built steps write: `filled`, plus one per decode row built.
-  `slots` holds one KV slot per position: `len(slots) == max(len(fill), kv_len)` (admission takes
-  the whole fill, each decode row one more); `slots[:tree_len]` belong to the tree.
+- `pages`: the page table: position p's KV is at slot `pages[p // KV_PAGE] * KV_PAGE +
+  p % KV_PAGE` (`slots()`). It covers the whole fill from admission and grows a page at a time
+  as decode rows cross into the next: `len(pages) == ceil(max(len(fill), kv_len) / KV_PAGE)`.
+  A page of its cached prefix that the tree holds whole is shared, read in place; the others
+  are its own (the rest of the prefix copied into them at admission).
+- `held`: the KV slots it frees at release: every slot of the pages it allocated, less those
+  the tree took over (positions it cached first). A slot is held by one request or the tree.
 - `sampled`: output tokens received plus those built steps will sample; `len(output) <= sampled`,
   the difference is what the steps in flight will bring. A row can decode (its input is a
   future) once `sampled > 0`.
@@ -28,7 +33,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import Enum
 
+from actors.scheduler.pools import pages_for
 from protocol import messages as m
+from protocol.messages import KV_PAGE
 
 
 class Phase(Enum):
@@ -45,7 +52,8 @@ class Request:
     order: int  # arrival order: FIFO admission, newest retracted first
     phase: Phase = Phase.QUEUED
     row: int = 0
-    slots: list[int] = field(default_factory=list)  # KV slot per position, [:tree_len] cached
+    pages: list[int] = field(default_factory=list)  # KV page table
+    held: set[int] = field(default_factory=set)  # KV slots it frees at release
     tree_len: int = 0
     lock: object = None  # the radix node this request holds locked
     state: int = -1  # live recurrent-state slot (hybrid models)
@@ -71,6 +79,14 @@ class Request:
     scores: list[m.PromptScores] = field(default_factory=list)
     scored: bool = False
     overtaken: int = 0  # queued requests admitted before it while it led the queue (core.py)
+
+    def slots(self, start: int, end: int) -> list[int]:
+        """The KV slots of positions [start, end), through the page table."""
+        return [self.pages[p // KV_PAGE] * KV_PAGE + p % KV_PAGE for p in range(start, end)]
+
+    def pages_short(self, positions: int) -> int:
+        """Pages the table lacks to hold this many positions."""
+        return max(0, pages_for(positions) - len(self.pages))
 
     @property
     def prefilling(self) -> bool:

@@ -2,7 +2,7 @@
 fit in KV memory, the least advanced one gives its memory back and returns to the head of the
 queue. It is recomputed later from prompt + output so far, so its greedy tokens do not change.
 
-A request with steps in flight is only marked (`Request.retracting`): its row and slots may
+A request with steps in flight is only marked (`Request.retracting`): its row and pages may
 still be written, so it is requeued when its last step returns (future_map.py).
 """
 
@@ -21,8 +21,9 @@ def pick_victim(running: Iterable[Request]) -> Request:
 
 def would_help(victim: Request, requests: Iterable[Request]) -> bool:
     """Retracting frees memory for someone only if another request holds some. Alone and still
-    out of memory, the server's KV capacity is the victim's length limit."""
-    return any(r is not victim and (r.slots or r.lock is not None) for r in requests)
+    out of memory, the server's KV capacity (less the tree's pages its cached prefix keeps
+    locked, memory.py) is the victim's length limit."""
+    return any(r is not victim and (r.held or r.lock is not None) for r in requests)
 
 
 def recompute_later(req: Request) -> None:

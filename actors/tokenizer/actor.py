@@ -145,7 +145,8 @@ class TokenizerActor:
             for msg in await self.inbox.recv_all():
                 match msg:
                     case m.TextBatch():
-                        self.metrics.scheduler_load(msg.running, msg.queued, msg.replica)
+                        self.metrics.scheduler_load(msg.running, msg.queued, msg.replica,
+                                                    msg.kv_pages)
                         await self._reply(self.front.on_text(msg, time.monotonic()))
                     case m.Shutdown():
                         stop = stop or msg

@@ -13,6 +13,7 @@ from typing import Any
 import uvicorn
 
 from actors.tokenizer.http import build_app
+from models.sizing import kv_bytes_per_token
 from protocol import messages as m
 
 # Every HTTP request is answered through this one pseudo client identity: its req_ids are
@@ -47,6 +48,8 @@ class HttpFront:
         self.model_name = actor.shell.model.name
         self.strict_model_name = cfg.strict_model_name
         self.context_length = actor.shell.model.context_length
+        # One KV page's bytes on one runner rank, for /metrics' mas:kv_pool_bytes.
+        self.page_bytes = m.KV_PAGE * kv_bytes_per_token(actor.shell.cfg, actor.shell.model)
         self.api_key = cfg.api_key
         self.limits = actor.shell.cfg.limits
         self.store_items, self.store_bytes = cfg.response_store_items, cfg.response_store_mib << 20
@@ -143,7 +146,8 @@ class HttpFront:
         return self.actor.metrics.render(self.model_name, len(self.front.open),
                                          self.front.internal_errors, self.front.router.routed,
                                          running_cap=cfg.scheduler.max_running_requests,
-                                         sizing=self.actor.shell.model.sizing)
+                                         sizing=self.actor.shell.model.sizing,
+                                         page_bytes=self.page_bytes)
 
     @functools.lru_cache(maxsize=1 << 16)
     def token_text(self, token_id: int) -> str:

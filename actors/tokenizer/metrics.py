@@ -9,6 +9,7 @@ from protocol import messages as m
 
 _BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
             7.5, 10.0, 20.0, 40.0, 80.0, 160.0)
+_PAGE_STATES = ("total", "used", "cached", "free")  # the order of TokenBatch.kv_pages
 
 
 class Histogram:
@@ -39,9 +40,14 @@ class Metrics:
         self.ttft, self.itl, self.e2e = Histogram(), Histogram(), Histogram()
         # replica -> (running, queued) as its scheduler last reported them
         self.loads: dict[int, tuple[int, int]] = {}
+        # replica -> its KV pages [total, used, cached, free] as last reported
+        self.pages: dict[int, list[int]] = {}
 
-    def scheduler_load(self, running: int, queued: int, replica: int = 0) -> None:
+    def scheduler_load(self, running: int, queued: int, replica: int = 0,
+                       kv_pages: list[int] = ()) -> None:
         self.loads[replica] = (running, queued)
+        if kv_pages:
+            self.pages[replica] = list(kv_pages)
 
     def reply(self, reply: m.ClientWire) -> None:
         if isinstance(reply, m.Finished):
@@ -58,9 +64,11 @@ class Metrics:
             self.finished["error"] = self.finished.get("error", 0) + 1
 
     def render(self, model: str, open_requests: int, internal_errors: int = 0,
-               routed: list[int] = (), running_cap: int = 0, sizing: str = "") -> str:
+               routed: list[int] = (), running_cap: int = 0, sizing: str = "",
+               page_bytes: int = 0) -> str:
         """The schedulers' last counts; zero once nothing is open (their last word may be
-        old). `routed`: requests sent to each data-parallel replica (when there are several)."""
+        old). `routed`: requests sent to each data-parallel replica (when there are several).
+        `page_bytes`: one KV page's bytes on one runner rank (KV_PAGE tokens' KV)."""
         labels = f'model_name="{model}"'
         hit = self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
         loads = self.loads if open_requests else {r: (0, 0) for r in self.loads}
@@ -92,10 +100,29 @@ class Metrics:
             lines.append("# TYPE mas:replica_requests_running gauge")
             lines += [f'mas:replica_requests_running{{{labels},replica="{r}"}} '
                       f'{loads.get(r, (0, 0))[0]}' for r in range(len(routed))]
+        lines += self._render_pages(labels, page_bytes)
         lines += self.ttft.render("mas:time_to_first_token_seconds", labels)
         lines += self.itl.render("mas:inter_token_latency_seconds", labels)
         lines += self.e2e.render("mas:e2e_request_latency_seconds", labels)
         return "\n".join(lines) + "\n"
+
+    def _render_pages(self, labels: str, page_bytes: int) -> list[str]:
+        """The KV pool's pages summed over replicas, and their bytes (none reported yet: no
+        lines). Kept as last reported even once nothing is open, unlike the request counts:
+        memory does not empty when requests end (the prefix cache keeps their pages), so a
+        zero would be wrong too. The last word may be a step old: a scheduler reports only
+        with tokens or endings, and with overlap a finished request's pages go back (to the
+        tree or free) when the step still carrying it returns, which sends nothing; `used`
+        then counts them until the next batch."""
+        if not self.pages:
+            return []
+        sums = [sum(col) for col in zip(*self.pages.values())]
+        lines = ["# TYPE mas:kv_pages gauge"]
+        lines += [f'mas:kv_pages{{{labels},state="{s}"}} {n}' for s, n in zip(_PAGE_STATES, sums)]
+        lines.append("# TYPE mas:kv_pool_bytes gauge")
+        lines += [f'mas:kv_pool_bytes{{{labels},state="{s}"}} {n * page_bytes}'
+                  for s, n in zip(_PAGE_STATES, sums)]
+        return lines
 
 
 def _label(text: str) -> str:

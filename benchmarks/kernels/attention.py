@@ -35,7 +35,8 @@ def main(argv: list[str] | None = None) -> None:
     import mas_kernels as mk
     import mlx.core as mx
 
-    from actors.model_runner.decode_batch import PAGE, BatchedKV
+    from actors.model_runner.decode_batch import PAGE
+    from actors.model_runner.kv_pages import gather
 
     print(f"decode attention, {args.heads} heads / {args.kv_heads} KV heads, dim {args.dim}, "
           f"kernel path {mk.isa()}")
@@ -54,13 +55,13 @@ def main(argv: list[str] | None = None) -> None:
         lengths = mx.array([context + 1] * rows, dtype=mx.int32)
         mask = mx.ones((rows, 1, 1, per_row * PAGE), dtype=mx.bool_)
         mask[..., context + 1:] = False
-        flat_k, flat_v = BatchedKV.gather(k, table), BatchedKV.gather(v, table)
+        flat_k, flat_v = gather(k, table), gather(v, table)
         mx.eval(q, k, v, lengths, mask, table, flat_k, flat_v)
         ours = median_ms(lambda: mk.decode_attention(q, k, v, table, lengths, 0.125), 15)
         flat = median_ms(lambda: mx.fast.scaled_dot_product_attention(
             q, flat_k, flat_v, scale=0.125, mask=mask), 15)
         gathered = median_ms(lambda: mx.fast.scaled_dot_product_attention(
-            q, BatchedKV.gather(k, table), BatchedKV.gather(v, table), scale=0.125,
+            q, gather(k, table), gather(v, table), scale=0.125,
             mask=mask), 15)
         mb = rows * args.kv_heads * (context + 1) * args.dim * kind.size * 2 / 1e6
         print(f"{dtype:>8} {rows:5d} {context:8d} {mb:8.1f} {ours:10.3f} {mb / ours:6.1f} "

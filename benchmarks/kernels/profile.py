@@ -77,16 +77,17 @@ def profile(model, installed, batch: int, context: int, repeat: int,
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
 
-    from actors.model_runner.decode_batch import BatchedKV, DecodeBatch
+    from actors.model_runner.decode_batch import BatchedKV, standalone
     from actors.model_runner.sampling import RowParams, Sampler
 
     # The runner's decode batch: `batch` rows of `context` tokens each. Its lengths are not
     # advanced, so every timed step writes the same column and sees the same context.
-    decode = DecodeBatch()
+    decode = None
     for row in range(1, batch + 1):
         prompt = make_prompt_cache(model)
         mx.eval(model(mx.array([[5] * context]), cache=prompt))
-        decode.join(row, prompt)
+        decode = decode or standalone(prompt)
+        decode.join_copy(row, prompt)
     token_buf = mx.full((batch + 1,), 7, dtype=mx.int32)
 
     def step():

@@ -5,6 +5,7 @@ saying why, instead of every request waiting on a graph that looks up."""
 from __future__ import annotations
 
 import asyncio
+from types import SimpleNamespace
 
 from actors.model_runner import actor
 from protocol import messages as m
@@ -30,6 +31,8 @@ class _Shell:
 
 
 class _FailingRunner:
+    pools = SimpleNamespace(kv=SimpleNamespace(held=dict))  # what the utilisation log reads
+
     def launch(self, batch):
         raise RuntimeError("the step failed")
 

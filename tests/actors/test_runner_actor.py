@@ -23,7 +23,8 @@ from actors.scheduler.prefix_plan import plan_prefix
 from harness.oracle import Oracle
 from models.sizing import kv_capacity, state_capacity
 from protocol import messages as m
-from protocol.codec import pack_ids
+from protocol.codec import pack_ids, unpack_ids
+from protocol.messages import KV_PAGE as PAGE
 from tests.support.rig import READY_TIMEOUT_S, TIMEOUT_S, Kept, Rig, make_config
 
 pytestmark = pytest.mark.slow  # starts processes, like tests/e2e
@@ -263,16 +264,25 @@ def test_two_steps_sent_back_to_back_come_back_in_order_with_the_future_resolved
 
 
 def test_a_cached_prefix_gives_mlx_lm_tokens(runner, oracle):
-    """A prompt served again loads its prefix from the KV pool (a KV_LOAD op) instead of
-    computing it, and gets the same tokens: mlx-lm's."""
+    """A prompt served again starts from its cached prefix, read where the first request
+    wrote it in the KV pool (its pages shared), instead of computing it, and gets the same
+    tokens: mlx-lm's."""
     ids = encode(oracle, PROMPTS[1])
     before = runner.add(ids, 6)
     runner.run(overlap=True)
     after = runner.add(ids, 6)
     runner.run(overlap=True)
-    loads = [op for b in runner.sent for op in b.ops if op.kind == m.OpKind.KV_LOAD]
-    assert len(loads) == 1 and len(loads[0].slots) // 4 >= len(ids) - 1, loads
+    assert first_chunks(runner.sent) == [0, len(ids) - 1]
+    tables = [unpack_ids(op.slots) for b in runner.sent for op in b.ops
+              if op.kind == m.OpKind.PAGES and op.start == 0]
+    shared = (len(ids) - 1) // PAGE
+    assert len(tables) == 2 and tables[1][:shared] == tables[0][:shared], tables
     check_against_oracle(runner, oracle, {before: (ids, 6), after: (ids, 6)})
+
+
+def first_chunks(batches: list[m.ForwardBatch]) -> list[int]:
+    """Where each admitted request's first prompt chunk starts: its cached prefix."""
+    return [b.start_pos[b.rows.index(row)] for b in batches for row in b.admit_rows]
 
 
 # -- failures ----------------------------------------------------------------------------------
@@ -283,11 +293,11 @@ BAD_BATCHES = {
     "never-prefilled": (m.ForwardBatch(step=9001, rows=[3], input_lens=[1], start_pos=[5],
                                        future=[True], sample=[True], input_ids=b""),
                         "rows [3] decode but were never prefilled"),
-    # An op on memory that does not exist: KV of a row that holds none, to a slot past the
-    # pool (memory.kv_tokens is 4096).
-    "kv-save-of-nothing": (m.ForwardBatch(step=9002, **EMPTY, ops=[m.Op(
-        kind=m.OpKind.KV_SAVE, dst=2, start=0, slots=pack_ids([99_999]))]),
-        "KV save for row 2, which holds no KV"),
+    # An op on memory that does not exist: a page past the pool (memory.kv_tokens is 4096:
+    # 256 pages and the scratch page).
+    "page-past-the-pool": (m.ForwardBatch(step=9002, **EMPTY, ops=[m.Op(
+        kind=m.OpKind.PAGES, dst=2, start=0, slots=pack_ids([99_999]))]),
+        "KV page 99999 is past the pool's 257 pages"),
     # A state op on a model without recurrent state.
     "state-op": (m.ForwardBatch(step=9003, **EMPTY, ops=[m.Op(kind=m.OpKind.CLEAR, dst=7)]),
                  "no state pool"),
@@ -340,7 +350,7 @@ def test_after_a_failed_step_a_prefix_cached_before_it_is_computed_again(runner,
     """A step that fails on the runner (here: a row whose grammar does not build) ends its
     requests with an error, and the runner rebuilds its memory empty. A prompt served before
     the failure was in the scheduler's prefix cache, which forgets it then (Memory.forget):
-    served again, it is computed again (no kv_load of slots the runner no longer holds) and
+    served again, it is computed again (no prefix read from pages the runner no longer holds) and
     gets mlx-lm's tokens, not tokens sampled from zeroed KV."""
     ids = encode(oracle, PROMPTS[1])
     before = runner.add(ids, 6)
@@ -357,8 +367,7 @@ def test_after_a_failed_step_a_prefix_cached_before_it_is_computed_again(runner,
     sent = len(runner.sent)
     after = runner.add(ids, 6)
     runner.run(overlap=True)
-    loads = [op for b in runner.sent[sent:] for op in b.ops if op.kind == m.OpKind.KV_LOAD]
-    assert loads == [], "a prefix cached before the failure was loaded after it"
+    assert first_chunks(runner.sent[sent:]) == [0], "a prefix cached before the failure was read"
     check_against_oracle(runner, oracle, {before: (ids, 6), after: (ids, 6)})
 
 

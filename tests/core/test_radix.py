@@ -1,6 +1,7 @@
-"""The radix prefix tree alone: matching and splitting, duplicate slots going back to the pool,
-locks, LRU eviction, state slots, and a hypothesis state machine that checks the tree against a
-flat reference model (cached prefix tuple -> slot) and the pools after every operation."""
+"""The radix prefix tree alone: matching and splitting, duplicates left to the caller, locks,
+LRU eviction (by slots and by free pages), state slots, and a hypothesis state machine that
+checks the tree against a flat reference model (cached prefix tuple -> slot) and the pools
+after every operation."""
 
 from __future__ import annotations
 
@@ -8,19 +9,35 @@ import pytest
 from hypothesis import settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from actors.scheduler.pools import SlotPool
+from actors.scheduler.pools import PagePool, SlotPool, page_slots
 from actors.scheduler.radix import RadixCache
+from protocol.messages import KV_PAGE
 
 
-def make_cache(kv: int = 64, states: int | None = None) -> RadixCache:
-    return RadixCache(SlotPool(kv), SlotPool(states) if states else None)
+def make_cache(pages: int = 8, states: int | None = None) -> RadixCache:
+    return RadixCache(PagePool(pages * KV_PAGE), SlotPool(states) if states else None)
+
+
+def fresh(pool: PagePool, start: int, end: int) -> list[int]:
+    """Slots for positions [start, end) on new pages, each at its position's page offset (as
+    a request's page table places them); the pages' other slots go back at once."""
+    if end <= start:
+        return []
+    pages = pool.alloc_pages((end - 1) // KV_PAGE - start // KV_PAGE + 1)
+    got = [pages[p // KV_PAGE - start // KV_PAGE] * KV_PAGE + p % KV_PAGE
+           for p in range(start, end)]
+    pool.free(sorted({s for page in pages for s in page_slots(page)} - set(got)))
+    return got
 
 
 def put(cache: RadixCache, tokens: list[int], *, state: bool = False):
-    """Insert tokens on fresh slots (a request that computed all of them); returns (node, slots, state)."""
-    slots = cache.kv.alloc(len(tokens))
+    """Insert tokens on fresh slots (a request that computed all of them), and free those the
+    tree did not take; returns (node, slots, state)."""
+    slots = fresh(cache.kv, 0, len(tokens))
     s = cache.states.alloc(1)[0] if state else None
     node = cache.insert(tokens, slots, s)
+    kept = cache.path_slots(node)
+    cache.kv.free([mine for mine, k in zip(slots, kept) if mine != k])
     cache.check()
     return node, slots, s
 
@@ -106,6 +123,7 @@ def test_diverging_query_splits_at_the_divergence():
     assert sorted(m.node.children) == [3, 9]
     assert cache.match([1, 2, 9, 9]).slots == slots[:2] + other[2:]
     assert cache.kv.owned == set(slots) | set(other[2:])
+    assert cache.cached_pages == 2
 
 
 def test_inserting_a_prefix_of_a_key_splits_it():
@@ -119,33 +137,39 @@ def test_inserting_a_prefix_of_a_key_splits_it():
 
 # -- duplicates -------------------------------------------------------------------------------
 
-def test_duplicate_insert_frees_the_callers_slots():
-    cache = make_cache(kv=16)
+def test_a_duplicate_insert_takes_none_of_the_callers_slots():
+    """The caller reads its own copy through its page table until it frees it."""
+    cache = make_cache()
     node, kept, _ = put(cache, [1, 2, 3])
-    again, dup, _ = put(cache, [1, 2, 3])
-    assert again is node
-    assert cache.kv.available == 13 and cache.kv.owned == set(kept)
-    assert cache.match([1, 2, 3]).slots == kept
+    dup = fresh(cache.kv, 0, 3)
+    again = cache.insert([1, 2, 3], dup)
+    assert again is node and cache.path_slots(node) == kept
+    assert cache.kv.owned == set(kept) | set(dup)  # the tree freed nothing of the caller's
+    cache.kv.free(dup)
+    cache.check()
+    assert cache.kv.owned == set(kept) and cache.cached_tokens == 3
 
 
-def test_partial_overlap_keeps_the_trees_slots_and_the_callers_new_ones():
-    cache = make_cache(kv=16)
+def test_partial_overlap_keeps_the_trees_slots_and_takes_the_callers_new_ones():
+    cache = make_cache()
     _, a, _ = put(cache, [1, 2, 3, 4])
-    _, b, _ = put(cache, [1, 2, 5, 6, 7])
-    assert cache.match([1, 2, 5, 6, 7]).slots == a[:2] + b[2:]
-    assert cache.kv.owned == set(a) | set(b[2:])
-    assert cache.cached_tokens == 7 and cache.kv.available == 16 - 7
+    b = fresh(cache.kv, 0, 5)
+    node = cache.insert([1, 2, 5, 6, 7], b)
+    assert cache.path_slots(node) == a[:2] + b[2:]
+    cache.kv.free(b[:2])  # the caller's copies of what the tree had
+    cache.check()
+    assert cache.kv.owned == set(a) | set(b[2:]) and cache.cached_tokens == 7
 
 
 def test_passing_back_matched_slots_frees_nothing():
-    cache = make_cache(kv=16)
+    cache = make_cache()
     _, a, _ = put(cache, [1, 2, 3])
     m = cache.match([1, 2, 3, 4, 5])
-    fresh = cache.kv.alloc(2)
-    node = cache.insert([1, 2, 3, 4, 5], m.slots + fresh)
+    new = fresh(cache.kv, 3, 5)
+    node = cache.insert([1, 2, 3, 4, 5], m.slots + new)
     cache.check()
-    assert cache.kv.owned == set(a) | set(fresh)
-    assert cache.path_slots(node) == a + fresh
+    assert cache.kv.owned == set(a) | set(new)
+    assert cache.path_slots(node) == a + new
 
 
 # -- locks and eviction -----------------------------------------------------------------------
@@ -190,7 +214,8 @@ def test_eviction_spares_locked_nodes_and_their_ancestors():
     assert cache.kv.owned == set(a[:2]) | set(b[2:])
     assert cache.match([1, 2, 4, 5]).length == 4
     cache.unlock(leaf)
-    assert cache.evict(100) == 4 and cache.cached_tokens == 0 and cache.kv.available == 64
+    assert cache.evict(100) == 4 and cache.cached_tokens == 0
+    assert cache.kv.pages_free == cache.kv.pages_total and cache.cached_pages == 0
 
 
 @pytest.mark.parametrize("touch", [None, 0, 1])
@@ -222,8 +247,21 @@ def test_eviction_cascades_to_parents_that_become_leaves():
     put(cache, [1, 2, 3])
     put(cache, [1, 2, 4])
     assert cache.evict(3) == 4  # leaves were not enough: the parent went next
-    assert cache.cached_tokens == 0 and cache.kv.available == 64
+    assert cache.cached_tokens == 0 and cache.kv.pages_free == cache.kv.pages_total
     assert cache.root.children == {}
+    cache.check()
+
+
+def test_evicting_for_pages_goes_on_until_a_page_is_free():
+    cache = make_cache(pages=2)
+    b = fresh(cache.kv, 0, 6)  # a request's page: it caches 3 positions and runs on
+    cache.insert([4, 5, 6], b[:3])
+    _, a, _ = put(cache, [1, 2, 3])
+    assert cache.kv.pages_free == 0 and cache.cached_pages == 2
+    # The least recently used leaf is on the request's page: evicting it frees no page.
+    assert cache.evict_pages(1) == 6
+    assert cache.kv.pages_free == 1 and cache.kv.owned == set(b[3:])
+    assert cache.cached_tokens == 0 and cache.cached_pages == 0
     cache.check()
 
 
@@ -269,7 +307,7 @@ def test_duplicate_state_is_freed_and_eviction_frees_states():
     cache.insert([], [], cache.states.alloc(1)[0])  # the empty prefix keeps no state
     assert cache.states.owned == {s}
     assert cache.evict(2) == 2
-    assert cache.states.available == 4 and cache.kv.available == 64
+    assert cache.states.available == 4 and cache.kv.pages_free == cache.kv.pages_total
     cache.check()
 
 
@@ -300,7 +338,7 @@ class RadixMachine(RuleBasedStateMachine):
 
     def __init__(self):
         super().__init__()
-        self.cache = make_cache(kv=40, states=6)
+        self.cache = make_cache(pages=3, states=6)
         self.ref: dict[tuple, int] = {}
         self.ref_states: dict[tuple, int] = {}
         self.locks: list[tuple] = []  # (node, prefix it ends at)
@@ -316,21 +354,23 @@ class RadixMachine(RuleBasedStateMachine):
 
     @rule(tokens=tokens_st, reuse=st.booleans(), with_state=st.booleans())
     def insert(self, tokens, reuse, with_state):
-        c = self.cache
-        if c.kv.available < len(tokens):
-            c.evict(len(tokens) - c.kv.available)
+        c = self.cache  # tokens fit one page: a request's first
+        if tokens and not c.kv.pages_free:
+            c.evict_pages(1)
             self.ref, self.ref_states = contents(c)
-        if c.kv.available < len(tokens):
+        if tokens and not c.kv.pages_free:
             return
         prefix = c.match(tokens).slots if reuse else []  # a caller passing back its hit
-        slots = prefix + c.kv.alloc(len(tokens) - len(prefix))
+        slots = prefix + fresh(c.kv, len(prefix), len(tokens))
         state = c.states.alloc(1)[0] if with_state and c.states.available else None
         node = c.insert(tokens, slots, state)
         for k, s in enumerate(slots):
             self.ref.setdefault(tuple(tokens[:k + 1]), s)
         if state is not None and tokens:
             self.ref_states.setdefault(tuple(tokens), state)
-        assert c.path_slots(node) == [self.ref[tuple(tokens[:k + 1])] for k in range(len(tokens))]
+        kept = c.path_slots(node)
+        assert kept == [self.ref[tuple(tokens[:k + 1])] for k in range(len(tokens))]
+        c.kv.free([mine for mine, k in zip(slots, kept) if mine != k])  # the caller's copies
 
     @rule(tokens=tokens_st, need_state=st.booleans())
     def match(self, tokens, need_state):
@@ -352,12 +392,18 @@ class RadixMachine(RuleBasedStateMachine):
         node, _ = self.locks.pop(i % len(self.locks))
         self.cache.unlock(node)
 
-    @rule(n=st.integers(0, 30))
-    def evict(self, n):
+    @rule(n=st.integers(0, 30), pages=st.booleans())
+    def evict(self, n, pages):
         c = self.cache
         before = c.evictable_tokens
-        freed = c.evict(n)
-        assert freed <= before and (freed >= n or c.evictable_tokens == 0)
+        if pages:
+            n %= c.kv.pages_total + 2
+            freed = c.evict_pages(n)
+            assert c.kv.pages_free >= n or c.evictable_tokens == 0
+        else:
+            freed = c.evict(n)
+            assert freed >= n or c.evictable_tokens == 0
+        assert freed <= before
         after, after_states = contents(c)
         assert after.items() <= self.ref.items() and len(self.ref) - len(after) == freed
         for _, prefix in self.locks:  # a locked node and all its ancestors stay
@@ -403,8 +449,8 @@ def test_a_match_tells_how_far_the_tokens_are_cached_without_splitting():
     ends there, so the next prompt sharing that much resumes at a snapshot)."""
     cache = make_cache(states=4)
     pool = cache.kv
-    cache.insert([1, 2, 3, 4, 5], pool.alloc(5))
-    cache.insert([1, 2, 9], pool.alloc(3))
+    cache.insert([1, 2, 3, 4, 5], fresh(pool, 0, 5))
+    cache.insert([1, 2, 9], fresh(pool, 0, 3))
     nodes = {id(n) for n in _nodes(cache.root)}
 
     def reach(tokens):

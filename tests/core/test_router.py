@@ -82,6 +82,22 @@ def test_metrics_sum_the_replicas_and_list_each():
     assert "replica=" not in Metrics().render("m", open_requests=0, routed=[4])
 
 
+def test_metrics_sum_the_replicas_kv_pages_and_keep_them_when_idle():
+    metrics = Metrics()
+    assert "mas:kv_pages" not in metrics.render("m", open_requests=0)  # none reported yet
+    metrics.scheduler_load(1, 0, replica=0, kv_pages=[100, 30, 20, 70])
+    metrics.scheduler_load(0, 0, replica=1, kv_pages=[100, 5, 5, 95])
+    metrics.scheduler_load(2, 0, replica=1)  # a batch without pages keeps the last ones
+    page_bytes = 16 * 1024
+    for open_requests in (3, 0):  # idle: the cache still holds its pages
+        text = metrics.render("m", open_requests=open_requests, page_bytes=page_bytes)
+        for state, pages in (("total", 200), ("used", 35), ("cached", 25), ("free", 165)):
+            assert f'mas:kv_pages{{model_name="m",state="{state}"}} {pages}\n' in text
+            assert (f'mas:kv_pool_bytes{{model_name="m",state="{state}"}} '
+                    f'{pages * page_bytes}\n') in text
+    assert text.count("# TYPE mas:kv_pages gauge") == 1
+
+
 def test_a_session_stays_on_its_replica_however_busy():
     """An agent's turns go where its first turn went (its prefix cache holds the
     conversation), even past the slack that moves other cache hits elsewhere."""

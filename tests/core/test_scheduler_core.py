@@ -184,7 +184,7 @@ class FailsOnce(Scripted):
 
 def test_after_a_failed_step_no_prefix_from_before_is_used_and_bystanders_are_recomputed():
     """A prefix cached before a failed step points at runner memory that is gone: a later
-    request with that prompt computes it all (no kv_load, no cached tokens). A request
+    request with that prompt computes it all (nothing copied, no cached tokens). A request
     running beside the failed step, but not in it, is recomputed and gets its tokens."""
     s = make_scheduler(prefix_cache=True, prefill_first=True)
     scripts = {"cached": [7, EOS], "again": [7, EOS], "by": [5, 6, 8, 9, EOS]}
@@ -210,7 +210,7 @@ def test_after_a_failed_step_no_prefix_from_before_is_used_and_bystanders_are_re
     d.add("again", prompt, params(4))
     d.run()
     assert d.finished["again"].cached_tokens == 0
-    assert not [op for b in d.batches[after:] for op in b.ops if op.kind == m.OpKind.KV_LOAD]
+    assert not [op for b in d.batches[after:] for op in b.ops if op.kind == m.OpKind.KV_COPY]
     assert d.tokens["again"] == [7, EOS]
     assert d.finished["by"].reason == "stop" and d.tokens["by"] == [5, 6, 8, 9, EOS]
     assert s.idle and s.leaks() == {"rows": [], "slots": [], "requests": []}
@@ -276,7 +276,7 @@ def test_abort_mid_chunked_prefill_is_torn_down_at_the_next_pass():
     assert [(f.rid, f.reason) for f in out.finished] == [("long", "abort")]
     assert s.rows.owned  # chunk 2 is still in flight: the row and slots stay held
     out = s.on_result(m.StepResult(step=2, rows=[], tokens=[]))
-    assert out.finished == [] and not s.rows.owned and not s.slots.owned
+    assert out.finished == [] and not s.rows.owned and not s.kv.owned
     assert s.schedule().release_rows == [first.rows[0]]
 
 
@@ -340,10 +340,31 @@ def test_full_rows_end_the_hold():
 
 
 def test_a_head_that_cannot_be_admitted_does_not_hold_the_decoders():
-    # 'a' holds a few of 14 KV slots: a 10-token prompt and its output reserve do not fit
-    # until it ends.
-    s, d = _burst(prefill_first=True, kv_slots=14, burst=3, prompt=range(10))
+    # 'a' holds one of 2 KV pages: a 20-token prompt and its output reserve do not fit until
+    # it ends.
+    s, d = _burst(prefill_first=True, kv_slots=2 * m.KV_PAGE, burst=3, prompt=range(20))
     batch = d.step()
     assert not batch.hold_decode and batch.future == [True] and len(s.queue) == 3
     d.run()
     assert len(d.finished) == 4
+
+
+def test_decode_needs_room_only_where_a_row_crosses_into_a_new_page():
+    """Two pages, two requests on one each: they decode with no page free until the first
+    crosses into its second; then the one with fewer tokens (the newest on a tie) is
+    retracted, and recomputed once the other ends."""
+    s = make_scheduler(kv_slots=2 * m.KV_PAGE, output_reserve=0)
+    d = Driver(s)
+    d.add("a", [1, 2, 3, 4], params(14))
+    d.add("b", [5, 6, 7, 8], params(14))
+    batches = [d.build()]
+    while not s.retractions:
+        d.land()
+        batches.append(d.build())
+    assert all(len(b.rows) == 2 and max(b.start_pos) < m.KV_PAGE for b in batches[:-1])
+    crossing = batches[-1]
+    assert crossing.start_pos == [m.KV_PAGE] and crossing.rows == [s.requests["a"].row]
+    assert [(op.kind, op.start) for op in crossing.ops] == [(m.OpKind.PAGES, 1)]
+    d.run()
+    assert d.tokens == {rid: [1000 + i for i in range(14)] for rid in ("a", "b")}
+    assert s.retractions == 1 and s.kv.pages_free == s.kv.pages_total

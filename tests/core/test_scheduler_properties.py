@@ -15,7 +15,9 @@ from hypothesis import event, given, settings, strategies as st
 
 from protocol import messages as m
 from protocol.codec import unpack_ids
+from protocol.messages import KV_PAGE
 from actors.scheduler.core import Scheduler
+from actors.scheduler.pools import pages_for
 from actors.scheduler.request import Phase
 from tests.support.driver import Driver
 
@@ -41,21 +43,23 @@ def reference(prompt: list[int], params: m.SamplingParams, context: int) -> tupl
 
 
 class FakeRunner:
-    """Plays the runner's memory contract: working sequences per row, a KV pool by slot (the
-    token at that position), and for hybrid models a state pool by slot (a digest of every
-    token seen), written through after each step. Sampling reads the KV sequence, and in
-    hybrid mode must agree with the state, so a wrong load, save, copy, snapshot or clear
-    changes the tokens. The head's input kept with a state (Op.head_input) is the digest where
-    the row last sampled; a row with no token to run samples from the one its state kept."""
+    """Plays the runner's memory contract: one KV pool by slot (the token written there), a
+    page table per row (PAGES ops; kept after release, as the runner does), and for hybrid
+    models a state pool by slot (a digest of every token seen), written through after each
+    step. A row writes its tokens through its page table and reads its whole sequence back
+    the same way, and in hybrid mode that must agree with the state, so a wrong page table,
+    copy, snapshot or clear, or a slot another request overwrote, changes the tokens. The
+    head's input kept with a state (Op.head_input) is the digest where the row last sampled;
+    a row with no token to run samples from the one its state kept."""
 
     def __init__(self, hybrid: bool):
         self.hybrid = hybrid
-        self.seq: dict[int, list[int]] = {}
         self.buf: dict[int, int] = {}
         self.kv: dict[int, int] = {}
+        self.tables: dict[int, list[int]] = {}
         self.states: dict[int, int] = {}
         self.row_state: dict[int, int] = {}
-        self.pending: dict[int, list[int]] = {}
+        self.pos: dict[int, int] = {}  # row -> the next position it runs
         self.head: dict[int, int] = {}  # row -> digest of its sequence where it last sampled
         self.kept_head: dict[int, int] = {}  # state slot -> the head input kept with it
         self.sampled_only = 0  # rows that ran no token and sampled from a kept head input
@@ -82,17 +86,26 @@ class FakeRunner:
                 self.states[op.dst] = self.states[op.src]
                 row = next(r for r, slot in self.row_state.items() if slot == op.src)
                 self._keep_head(op, row, op.dst)
-            elif op.kind == m.OpKind.KV_SAVE:
-                for i, slot in enumerate(unpack_ids(op.slots)):
-                    self.kv[slot] = self.seq[op.dst][op.start + i]
-            elif op.kind == m.OpKind.KV_LOAD:
-                self.pending[op.dst] = unpack_ids(op.slots)
+            elif op.kind == m.OpKind.PAGES:
+                pages = unpack_ids(op.slots)
+                assert 0 not in pages, "page 0 is the runner's scratch page"
+                assert op.start <= len(self.tables.get(op.dst, [])), "a hole in a page table"
+                self.tables[op.dst] = self.tables.get(op.dst, [])[:op.start] + pages
+            elif op.kind == m.OpKind.KV_COPY:
+                ids = unpack_ids(op.slots)
+                src, dst = ids[:len(ids) // 2], ids[len(ids) // 2:]
+                assert all(s % KV_PAGE == d % KV_PAGE for s, d in zip(src, dst)), \
+                    "a KV copy to another position"
+                for s, d in zip(src, dst):
+                    self.kv[d] = self.kv[s]
             elif op.kind == m.OpKind.DONATE:
                 self._keep_head(op, op.dst, op.src)
                 assert self.row_state.pop(op.dst) == op.src, "donated a state the row does not own"
         for row in batch.release_rows:
-            for d in (self.seq, self.buf, self.row_state, self.head):
+            for d in (self.buf, self.row_state, self.head, self.pos):
                 d.pop(row, None)
+        for row in batch.admit_rows:
+            self.pos.pop(row, None)  # its first chunk starts past its cached prefix
         for row, state in zip(batch.admit_rows, batch.admit_states):
             self.row_state[row] = state
             self.head.pop(row, None)
@@ -104,27 +117,35 @@ class FakeRunner:
                 chunk = [self.buf[row]]
             else:
                 chunk, at = ids[at:at + n], at + n
-                if row not in self.seq or start == 0 or row in self.pending:
-                    self.seq[row] = [self.kv[s] for s in self.pending.pop(row, [])]
-            assert start == len(self.seq[row]), f"row {row}: position {start}, has {len(self.seq[row])}"
-            self.seq[row].extend(chunk)
+            assert self.pos.setdefault(row, start) == start, \
+                f"row {row}: position {start}, expected {self.pos[row]}"
+            self.pos[row] = start + len(chunk)
+            for p, tok in enumerate(chunk, start):
+                self.kv[self.slot(row, p)] = tok
+            seq = [self.kv.get(self.slot(row, p)) for p in range(start + len(chunk))]
+            assert None not in seq, f"row {row}: a position read before it was written"
             if self.hybrid:
                 slot = self.row_state[row]
                 for tok in chunk:
                     self.states[slot] = hash((self.states[slot], tok)) & 0xFFFFFFFF
-                assert self.states[slot] == digest(self.seq[row]), f"row {row}: state drifted"
+                assert self.states[slot] == digest(seq), f"row {row}: state drifted"
             if not fut and not n:  # nothing to run: samples from the head input kept
                 kept = self.kept_head.get(self.row_state.get(row))
-                assert kept == digest(self.seq[row]), f"row {row}: no head input to sample"
+                assert kept == digest(seq), f"row {row}: no head input to sample"
                 self.sampled_only += 1
             if chunk:
                 self.head.pop(row, None)
             if smp:
-                self.head[row] = digest(self.seq[row])
-                self.buf[row] = next_token(self.seq[row])
+                self.head[row] = digest(seq)
+                self.buf[row] = next_token(seq)
                 out_rows.append(row)
                 tokens.append(self.buf[row])
         return m.StepResult(step=batch.step, rows=out_rows, tokens=tokens)
+
+    def slot(self, row: int, p: int) -> int:
+        table = self.tables.get(row, [])
+        assert p // KV_PAGE < len(table), f"row {row}: position {p} past its page table"
+        return table[p // KV_PAGE] * KV_PAGE + p % KV_PAGE
 
 
 def digest(seq: list[int]) -> int:
@@ -139,29 +160,60 @@ def check_invariants(s: Scheduler) -> None:
     rows = [r.row for r in live if r.row]
     assert len(rows) == len(set(rows)), "a row owned twice"
     assert set(rows) == s.rows.owned
-    own = [x for r in live for x in r.slots[r.tree_len:]]
-    tree = [x for n in s.memory.tree.walk() for x in n.slots] if s.memory.tree else []
-    assert len(own + tree) == len(set(own + tree)), "a slot owned twice"
-    assert set(own + tree) == s.slots.owned
+    tree = s.memory.tree
+    held = [x for r in live for x in r.held]
+    cached = [x for n in tree.walk() for x in n.slots] if tree else []
+    assert len(held + cached) == len(set(held + cached)), "a KV slot held twice"
+    assert set(held + cached) == s.kv.owned
+    assert s.kv.pages_free == s.kv.pages_total - len({x // KV_PAGE for x in s.kv.owned})
     for r in live:  # the counters of request.py hold together
         assert r.tree_len <= r.filled <= len(r.fill) and len(r.output) <= r.sampled
-        if r.row:  # holding memory: one slot per position a built step writes
-            assert r.filled <= r.kv_len and len(r.slots) == max(len(r.fill), r.kv_len)
+        if r.row:  # holding memory: its page table covers every position a built step writes
+            assert r.filled <= r.kv_len
+            assert len(r.pages) == pages_for(max(len(r.fill), r.kv_len))
+            assert 0 not in r.pages and len(set(r.pages)) == len(r.pages)
+            # what its next steps write is its own, never a page it shares
+            assert set(r.slots(r.kv_len, len(r.pages) * KV_PAGE)) <= set(r.held)
+        else:
+            assert not r.pages and not r.held and r.lock is None
         if r.phase is Phase.RUNNING and not r.aborted:  # what is missing is still in flight
             assert r.sampled - len(r.output) <= r.inflight
-    for r in live:  # a request's cached prefix is exactly its locked tree path
+    for r in live:  # a request's cached prefix is its locked tree path, read in place or copied
         if r.tree_len:
-            assert r.lock is not None and s.memory.tree.path_slots(r.lock) == r.slots[:r.tree_len]
+            path = tree.path_slots(r.lock)
+            assert r.lock is not None and len(path) == r.tree_len
+            assert all(t == x or x in r.held for t, x in zip(path, r.slots(0, r.tree_len)))
+    if tree is not None:  # every slot the tree holds sits at its position's page offset
+        stack = [(n, 0) for n in tree.root.children.values()]
+        while stack:
+            node, at = stack.pop()
+            assert all(x % KV_PAGE == (at + i) % KV_PAGE for i, x in enumerate(node.slots))
+            stack += [(c, at + len(node.key)) for c in node.children.values()]
     if s.memory.states is not None:
         states = [r.state for r in live if r.state >= 0]
-        held = [n.state for n in s.memory.tree.walk() if n.state is not None] \
-            if s.memory.tree else []
-        assert len(states + held) == len(set(states + held)), "a state slot owned twice"
-        assert set(states + held) == s.memory.states.owned
+        kept = [n.state for n in tree.walk() if n.state is not None] if tree else []
+        assert len(states + kept) == len(set(states + kept)), "a state slot owned twice"
+        assert set(states + kept) == s.memory.states.owned
     for batch, carried in s.futures.pinned():
         assert set(batch.rows) <= s.rows.owned, "a row referenced in flight is free"
         for req in carried:
-            assert req.inflight > 0 and set(req.slots) <= s.slots.owned
+            assert req.inflight > 0 and set(req.slots(0, req.kv_len)) <= s.kv.owned
+
+
+def watch_length_cuts(s: Scheduler) -> dict[str, int]:
+    """rid -> the pages a request's table and its locked tree path held when it ended by
+    length: where KV memory cut it short, that is the whole pool."""
+    cut: dict[str, int] = {}
+    finish = s._finish
+
+    def spy(req, reason, message=""):
+        if reason == "length":
+            path = s.memory.tree.path_slots(req.lock) if req.lock is not None else []
+            cut[req.rid] = len(set(req.pages) | {x // KV_PAGE for x in path})
+        finish(req, reason, message)
+
+    s._finish = spy
+    return cut
 
 
 # Prompts are a shared base (so prefixes repeat and the cache hits) plus a suffix.
@@ -196,6 +248,7 @@ def test_any_sequence_keeps_the_invariants_and_answers_everyone_once(
     # one terminal reply and no token after it.
     d = Driver(s, runner, depth, check=check_invariants)
     prompts, params = {}, {}
+    cut = watch_length_cuts(s)
 
     for op in ops:
         if op[0] == "arrive":
@@ -233,9 +286,10 @@ def test_any_sequence_keeps_the_invariants_and_answers_everyone_once(
         assert s.memory.tree.cached_tokens == 0, "no cache across requests with prefix off"
     if s.memory.tree is not None:
         s.memory.tree.check()
-        assert s.slots.available + s.memory.tree.cached_tokens == kv
+        # Idle: a page is free, or holds a slot of the tree.
+        assert s.kv.pages_free + s.memory.tree.cached_pages == s.kv.pages_total
         s.memory.tree.evict(kv)
-    assert s.slots.available == kv
+    assert s.kv.pages_free == s.kv.pages_total == kv // KV_PAGE
     if s.memory.states is not None:
         s.memory.tree and s.memory.tree.evict_states(10**6)
         assert s.memory.states.available == s.memory.states.capacity
@@ -247,8 +301,9 @@ def test_any_sequence_keeps_the_invariants_and_answers_everyone_once(
         if fin.reason == "stop" or (fin.reason == "length" and got == ref):
             assert got == ref and fin.reason == reason
         elif fin.reason == "length":
-            # Only the server's whole KV capacity may cut a request short.
-            assert len(prompts[rid]) + len(got) >= kv
+            # Only KV memory may cut a request short: its pages and those its cached prefix
+            # pins in the tree (the pages it copied a partial page from) fill the pool.
+            assert cut[rid] == s.kv.pages_total
         else:
             assert fin.reason in ("abort", "error")
             if fin.reason == "error":

@@ -92,3 +92,32 @@ def test_hybrid_models_get_state_slots_for_the_running_requests_and_snapshots(mo
     assert got.value == 16 and sized.memory.state_slots == 16 + sizing.SNAPSHOT_SLOTS
     sized, _ = sizing.size(_cfg("memory.kv_tokens=100000", "memory.state_slots=50"), model)
     assert sized.memory.state_slots == 50  # the config's own number stays
+
+
+def test_the_workspace_bound_is_two_layers_scores_of_a_chunk_within_its_bounds(tiny):
+    """runtime.buffer_cache_mib = auto: a prefill chunk's queries over the longest context
+    the budget holds, twice, float32, in 64-1024 MiB; the workspace is the cache and a step's
+    live arrays, and kv_fraction holds it beside the pool (half of it at most)."""
+    from models.sizing import MIB, buffer_cache_bytes, kv_budget, kv_bytes_per_token
+    from models.sizing import workspace_bytes
+
+    assert _cfg().runtime.buffer_cache_mib == "auto"
+    heads = tiny.attention_heads
+    assert heads > 0
+    cfg = _cfg("memory.kv_tokens=100000", "scheduler.chunked_prefill_size=64")
+    context = min(tiny.context_length, 100000)
+    assert buffer_cache_bytes(cfg, tiny) == min(max(2 * 64 * heads * context * 4, 64 * MIB),
+                                                1024 * MIB)
+    assert workspace_bytes(cfg, tiny) == 2 * buffer_cache_bytes(cfg, tiny)
+    assert buffer_cache_bytes(_cfg("memory.kv_tokens=16"), tiny) == 64 * MIB  # the floor
+    assert buffer_cache_bytes(_cfg("runtime.buffer_cache_mib=300"), tiny) == 300 * MIB
+    assert workspace_bytes(_cfg("runtime.buffer_cache_mib=0"), tiny) == 0
+    for fraction in (0.5, 0.001):
+        auto = _cfg(f"memory.kv_fraction={fraction}")
+        none = _cfg(f"memory.kv_fraction={fraction}", "runtime.buffer_cache_mib=0")
+        per_token, held = kv_bytes_per_token(auto, tiny), workspace_bytes(auto, tiny)
+        assert 0 < held <= kv_budget(none, tiny) * per_token // 2 + per_token
+        assert kv_budget(none, tiny) - kv_budget(auto, tiny) in range(
+            held // per_token - 1, held // per_token + 2)
+    assert buffer_cache_bytes(_cfg("memory.kv_fraction=0.5"), tiny) == min(
+        2 * 512 * heads * tiny.context_length * 4, 1024 * MIB)

@@ -76,6 +76,8 @@ def test_n_choices_and_stop_strings(api):
 
 def test_models_health_metrics(graph, api):
     assert [m.id for m in api.models.list().data] == ["qwen3-tiny"]
+    # A reply of its own: the KV pages come with the scheduler's batches.
+    api.completions.create(model="qwen3-tiny", prompt="Metrics", max_tokens=2)
     import urllib.request
     with urllib.request.urlopen(graph.http + "/health") as h:
         assert h.status == 200
@@ -87,6 +89,18 @@ def test_models_health_metrics(graph, api):
         assert name in body, name
     total = [line for line in body.splitlines() if line.startswith("mas:generation_tokens_total")]
     assert float(total[0].split()[-1]) > 0
+    # The one KV pool, in pages of 16 tokens and in bytes, as the scheduler last counted it.
+    values = dict(line.rsplit(" ", 1) for line in body.splitlines() if line[:1] != "#")
+    pages = {s: int(values[f'mas:kv_pages{{model_name="qwen3-tiny",state="{s}"}}'])
+             for s in ("total", "used", "cached", "free")}
+    assert pages["total"] > 0 and pages["used"] + pages["free"] == pages["total"]
+    assert pages["cached"] <= pages["used"]
+    page_bytes = int(values['mas:kv_pool_bytes{model_name="qwen3-tiny",state="total"}']) \
+        // pages["total"]
+    assert page_bytes > 0 and page_bytes % 16 == 0
+    for state, n in pages.items():
+        assert int(values[f'mas:kv_pool_bytes{{model_name="qwen3-tiny",state="{state}"}}']) \
+            == n * page_bytes
 
 
 def test_bad_requests_get_400_in_the_openai_shape(api):

@@ -16,6 +16,7 @@ from models.builtin import ensure_builtin
 from models.tokenizer import load_tokenizer
 from protocol.client import AsyncClient
 from tests.support.streams import abort_a_stream
+from tests.support.prompts import tight_budget
 
 pytestmark = pytest.mark.slow
 
@@ -52,8 +53,7 @@ def _logs(*args: str) -> str:
 def test_a_run_reads_back_as_timelines_and_a_summary(model_cache, tmp_path):
     path = ensure_builtin("qwen3-tiny", cache_dir=model_cache, progress=False)
     ids = [load_tokenizer(str(path)).encode(p) for p in PROMPTS]
-    first_wave = sum(map(len, ids[:len(ids) // 2])) + len(ids[0])
-    tight = max(first_wave + 30, max(map(len, ids)) + MAX_NEW)
+    tight = tight_budget(ids, MAX_NEW)
     log_dir = tmp_path / "logs"
     g = Graph("model.builtin=qwen3-tiny", "scheduler.max_running_requests=6",
               f"scheduler.chunked_prefill_size={CHUNK}", "scheduler.output_reserve_tokens=0",

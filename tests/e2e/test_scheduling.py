@@ -13,7 +13,7 @@ from models.builtin import ensure_builtin
 from protocol import messages as m
 from protocol.client import AsyncClient
 from harness.oracle import Oracle
-from tests.support.prompts import PROMPTS
+from tests.support.prompts import PROMPTS, tight_budget
 
 pytestmark = pytest.mark.slow
 
@@ -54,9 +54,7 @@ async def _waves(address: str, prompts: list[str]) -> list[m.Finished]:
 def test_every_mode_matches_mlx_lm(model_cache, oracle, mode):
     overrides, prompts = MODES[mode]
     ids = [oracle.tokenizer.encode(p) for p in prompts]
-    # The first wave (half the prompts and a stream of the first) fits; its growth does not.
-    first_wave = sum(map(len, ids[:len(ids) // 2])) + len(ids[0])
-    tight = max(first_wave + 30, max(map(len, ids)) + MAX_NEW)
+    tight = tight_budget(ids, MAX_NEW)
     if "tight" in mode:
         overrides = [*overrides, f"memory.kv_tokens={tight}"]
     g = Graph("model.builtin=qwen3-tiny", "scheduler.max_running_requests=6", *overrides)

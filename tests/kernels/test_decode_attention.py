@@ -18,7 +18,7 @@ from mlx_lm.models import base  # noqa: E402
 from mlx_lm.models.cache import KVCache  # noqa: E402
 
 from actors.model_runner.cpu import attention  # noqa: E402
-from actors.model_runner.decode_batch import DecodeBatch  # noqa: E402
+from actors.model_runner.decode_batch import standalone  # noqa: E402
 
 
 def reference(q, k, v, lengths, scale):
@@ -171,12 +171,14 @@ def test_bad_arguments_raise():
 def decode_layer():
     """One attention layer of a decode batch as the forward sees it: rows of their own lengths
     in pages, a hole between them, and this step's K/V written (update_and_fetch)."""
-    batch = DecodeBatch()
+    own = {}
     for row, length in ((1, 5), (2, 3), (3, 40)):
-        own = KVCache()
-        own.update_and_fetch(mx.random.normal((1, 2, length, 32)),
-                             mx.random.normal((1, 2, length, 32)))
-        batch.join(row, [own])
+        own[row] = KVCache()
+        own[row].update_and_fetch(mx.random.normal((1, 2, length, 32)),
+                                  mx.random.normal((1, 2, length, 32)))
+    batch = standalone([own[1]])  # a pool of its own, shaped like the rows' K/V
+    for row, cache in own.items():
+        batch.join_copy(row, [cache])
     batch.release([2])
     batch.inputs(mx.zeros((4,), mx.int32))
     kv = batch.caches[0]

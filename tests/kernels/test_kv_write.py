@@ -1,8 +1,9 @@
-"""A decode step's writes into a page pool as one graph node (mas_kernels.kv_write, used by
-decode_batch.BatchedKV inside the runner's steps): the same pool as MLX's scatter through the
-pool seen flat, in float32 and bfloat16 and from strided rows; written in place when nothing
-else holds the pool and copied (the held pool untouched) when something does; bad arguments
-named; and the runner's decode writing its pools in place step after step."""
+"""Writes into the page pool as one graph node (mas_kernels.kv_write, used by the one pool's
+KvPages.write inside the runner's steps, for decode tokens and prompt chunks alike): the same
+pool as MLX's scatter through the pool seen flat, in float32 and bfloat16 and from strided
+rows; written in place when nothing else holds the pool and copied (the held pool untouched)
+when something does, or in place even then when told (pool_in_place); bad arguments named;
+and the runner writing its pools in place step after step."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ mk = pytest.importorskip(
     "mas_kernels", reason="mas_kernels is not built (pip install --no-build-isolation ./native)")
 import mlx.core as mx  # noqa: E402
 
-from actors.model_runner.decode_batch import PAGE  # noqa: E402
+from actors.model_runner.kv_pages import (PAGE, KvPages, pool_in_place,  # noqa: E402
+                                          pool_writer, slots_of)
 
 HEADS, PAGES, DIM = 4, 6, 64
 
@@ -105,11 +107,72 @@ def test_bad_arguments_raise():
         mk.kv_write(pool, index.astype(mx.int64), rows)
 
 
+def _store(dtype) -> KvPages:
+    """A two-layer pool of random contents: a stray write shows."""
+    store = KvPages([0, 1])
+    for i, layer in enumerate(store.layers):
+        for j, arrays in enumerate((store.keys, store.values)):
+            arrays[layer] = mx.random.normal((HEADS, PAGES, PAGE, DIM),
+                                             key=mx.random.key(30 + 2 * i + j)).astype(dtype)
+    store.pages = PAGES
+    mx.eval(store.arrays())
+    return store
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+def test_the_pools_writes_through_the_kernel_are_mlxs(dtype):
+    """KvPages.write with the kernel held (the runner's steps) and without (MLX's scatter):
+    a prompt chunk across pages and a decode step's tokens land the same, one node each for
+    K and V; keys of another dtype than the pool's take MLX's path."""
+    chunk = slots_of([4, 1], 5, 25)  # a chunk of 20 tokens across two pages
+    rows = mx.random.normal((len(chunk), HEADS, 1, DIM), key=mx.random.key(40)).astype(dtype)
+    stores = {}
+    for writer in (None, mk.kv_write):
+        store = _store(dtype)
+        calls = []
+
+        def counted(pool, index, new, **kw):
+            calls.append(kw)
+            return writer(pool, index, new, **kw)
+
+        with pool_writer.holding(None if writer is None else counted):
+            store.write(1, store.index(chunk, HEADS), rows, rows * 2)
+            store.write(0, store.index(np.array([3, 2 * PAGE + 7]), HEADS), rows[:2],
+                        rows[2:4])
+        assert len(calls) == (0 if writer is None else 4)
+        stores[writer] = store
+    for a, b in zip(stores[None].arrays(), stores[mk.kv_write].arrays()):
+        np.testing.assert_array_equal(np.array(a.astype(mx.float32)),
+                                      np.array(b.astype(mx.float32)))
+    store, calls = _store(dtype), []
+    with pool_writer.holding(lambda *a, **kw: calls.append(1)):
+        store.write(0, store.index(chunk, HEADS), rows.astype(mx.float16),
+                    rows.astype(mx.float16))
+    assert not calls and store.keys[0].dtype == dtype
+
+
+def test_the_pool_writes_in_place_where_told():
+    """pool_in_place reaches the kernel: the array a queued read holds sees the write (one
+    buffer, no copy); without it the held array is left as it was."""
+    index = np.array([PAGE + 2])
+    rows = mx.full((1, HEADS, 1, DIM), 7.0)
+    for in_place in (False, True):
+        store = _store(mx.float32)
+        held, copies = store.keys[0], mk._ext._kv_write_copies()
+        with pool_writer.holding(mk.kv_write), pool_in_place.holding(in_place):
+            store.write(0, store.index(index, HEADS), rows, rows)
+        mx.eval(store.arrays())
+        assert float(store.keys[0][0, 1, 2, 0]) == 7.0
+        assert (float(held[0, 1, 2, 0]) == 7.0) == in_place
+        # Only K is held: V's old buffer has no other reader and is donated either way.
+        assert mk._ext._kv_write_copies() == copies + (0 if in_place else 1)
+
+
 @pytest.mark.parametrize("name", ["qwen3-tiny", "qwen3-tiny-4bit"])
 def test_the_runners_decode_writes_its_pools_in_place(name, model_cache):
-    """The runner core's overlapped decode (depth 2: step N+1 built while step N runs),
-    compiled and eager, writes through the kernel and never has to copy a pool. Its tokens
-    are mlx-lm's (greedy)."""
+    """The runner core's overlapped steps (depth 2: step N+1 built while step N runs),
+    compiled and eager, write prompt chunks and decode tokens through the kernel, in place,
+    and never have to copy a pool. Its tokens are mlx-lm's (greedy)."""
     from actors.model_runner.loading import load_model
     from actors.model_runner.runner import ModelRunner
     from actors.scheduler.core import Scheduler
@@ -130,7 +193,7 @@ def test_the_runners_decode_writes_its_pools_in_place(name, model_cache):
         writes = []
 
         def counted(pool, index, rows, **kw):
-            writes.append((pool.shape, kw))
+            writes.append((rows.shape[0], kw))
             return original(pool, index, rows, **kw)
 
         runner = ModelRunner(load_model(path), 3, kv_slots=1 << 12,
@@ -143,11 +206,12 @@ def test_the_runners_decode_writes_its_pools_in_place(name, model_cache):
             tokens, _, _ = drive(sched, runner, arrivals, 2)
         finally:
             mk.kv_write = original
-        assert writes, "the decode steps did not write through the kernel"
-        # In place only in the plain decode steps queued early (compiled, runner.early_queue);
-        # steps that also join, park or save rows write as MLX would.
+        # Every step writes in place (kv_pages.py: a write never touches a slot a queued
+        # read looks at): the decode steps' few rows and the prompt chunks' up to 16.
+        tokens_written = {n for n, _ in writes}
+        assert min(tokens_written) <= 3 < max(tokens_written) <= 16, tokens_written
         kinds = {kw["in_place"] for _, kw in writes}
-        assert kinds == ({True, False} if compile_decode else {False}), kinds
+        assert kinds == {True}, kinds
         assert mk._ext._kv_write_copies() == copies
         if compile_decode:  # the compiled forward ran its traces, not the eager one
             assert runner.compiled is not None and runner.compiled.off is None

@@ -16,7 +16,7 @@ from mlx_lm.models import qwen3
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from actors.model_runner.cpu import qwen3_layers
-from actors.model_runner.decode_batch import DecodeBatch
+from actors.model_runner.decode_batch import standalone
 from actors.model_runner.loading import load_model
 from models.builtin import ensure_builtin
 
@@ -38,12 +38,17 @@ def _nodes(out: mx.array, tmp_path) -> list[str]:
 
 def _decode_step(model, lengths: list[int], first: int, context=None) -> mx.array:
     """The model's output for one decode step of the decode batch: rows 1.. with prompts of
-    `lengths` (token first + row), each then fed token first + 30 + row (inside `context`)."""
-    batch = DecodeBatch()
+    `lengths` (token first + row), each then fed token first + 30 + row (inside `context`).
+    The rows' prompts are copied into a pool of the batch's own and evaluated first: the
+    graph is the step's alone."""
+    prompts = []
     for row, n in enumerate(lengths, 1):
-        prompt = make_prompt_cache(model)
-        mx.eval(model(mx.array([[first + row] * n]), cache=prompt))
-        batch.join(row, prompt)
+        prompts.append(make_prompt_cache(model))
+        mx.eval(model(mx.array([[first + row] * n]), cache=prompts[-1]))
+    batch = standalone(prompts[0])
+    for row, prompt in enumerate(prompts, 1):
+        batch.join_copy(row, prompt)
+    mx.eval(batch.positions.store.arrays())
     tokens = mx.array([0] + [first + 30 + row for row in range(1, len(lengths) + 1)],
                       dtype=mx.int32)
     with context if context is not None else nullcontext():

@@ -14,7 +14,7 @@ from actors.model_runner.runner import ModelRunner
 from actors.scheduler.core import Scheduler
 from actors.scheduler.prefix_plan import plan_prefix
 from protocol import messages as m
-from protocol.codec import pack_ids
+from protocol.codec import pack_ids, unpack_ids
 
 EXPECTED = {
     "qwen3-tiny": ["full", "full"],
@@ -86,24 +86,29 @@ def test_caches_that_do_not_follow_the_layers_are_refused(models):
         type(model).make_cache = stock
 
 
-def test_kv_ops_on_a_sliding_window_model_without_state_slots_are_refused(models):
+def _chunk_at(start: int) -> m.ForwardBatch:
+    """Row 1's prompt chunk at `start`, as a prefix hit of `start` tokens would send it."""
+    pages = m.Op(kind=m.OpKind.PAGES, dst=1, start=0, slots=pack_ids([1, 2]))
+    return m.ForwardBatch(step=1, rows=[1], input_lens=[1], start_pos=[start], future=[False],
+                          sample=[True], input_ids=pack_ids([5]), ops=[pages],
+                          admit_rows=[1], admit_params=[m.SamplingParams(max_new_tokens=1)])
+
+
+def test_a_prefix_on_a_sliding_window_model_without_state_slots_is_refused(models):
     runner = ModelRunner(models["gemma3-tiny"], 2, kv_slots=64)
-    load = m.Op(kind=m.OpKind.KV_LOAD, dst=1, slots=pack_ids([0, 1, 2]))
-    batch = m.ForwardBatch(step=1, rows=[], input_lens=[], start_pos=[], future=[], sample=[],
-                           input_ids=b"", ops=[load])
-    with pytest.raises(StepError, match=r"layers \[0, 2\] resume from a state slot and this "
-                                        "runner has no state pool"):
-        runner.step(batch)
+    with pytest.raises(StepError, match=r"layers \[0, 2\] resume from a state slot and it "
+                                        "has none"):
+        runner.step(_chunk_at(3))
 
 
-def test_kv_ops_on_a_layer_kind_no_pool_keeps_are_refused():
-    from actors.model_runner.rows import Rows
-    from actors.model_runner.storage import KvPool, Pools
+def test_a_prefix_on_a_layer_kind_no_pool_keeps_is_refused():
+    from actors.model_runner.kv_pages import KvPages
+    from actors.model_runner.storage import Pools
 
-    pools = Pools(Layers.of(["full", "other:CacheList"]), KvPool([0], 64), None)
-    load = m.Op(kind=m.OpKind.KV_LOAD, dst=1, slots=pack_ids([0, 1, 2]))
-    with pytest.raises(StepError, match=r"layers \[1\] \(other:CacheList\) cannot be restored"):
-        pools.apply(load, Rows(2))
+    pools = Pools(Layers.of(["full", "other:CacheList"]), KvPages([0]), None)
+    with pytest.raises(StepError, match=r"layers \[1\] \(other:CacheList\) cannot be given "
+                                        "a prefix back"):
+        pools.restore(1, [None, None], 3, [1], None)
 
 
 # -- what the scheduler's tree may hold --------------------------------------------------------
@@ -137,9 +142,14 @@ def test_without_group_sharing_choices_prefill_on_their_own_with_no_kv_ops():
         rows = [r for r, smp in zip(batch.rows, batch.sample) if smp]
         out = s.on_result(m.StepResult(step=batch.step, rows=rows, tokens=[7] * len(rows)))
         finished += out.finished
-    # All three admitted at once, each prefilling the whole prompt; nothing saved or loaded.
+    # All three admitted at once, each prefilling the whole prompt in pages of its own;
+    # nothing shared or copied.
     assert batches[0].input_lens == [20, 20, 20] and len(batches[0].admit_rows) == 3
-    assert [op for b in batches for op in b.ops] == []
+    ops = [op for b in batches for op in b.ops]
+    assert {op.kind for op in ops} == {m.OpKind.PAGES} and all(op.start == 0 for op in ops)
+    tables = [unpack_ids(op.slots) for op in ops]
+    assert [len(t) for t in tables] == [2, 2, 2]  # 20 tokens and 3 more: two pages each
+    assert len({p for t in tables for p in t}) == 6
     assert sorted((f.rid, f.reason, f.cached_tokens) for f in finished) == [
         (f"c{k}", "length", 0) for k in range(3)]
     assert s.idle and not any(s.leaks().values())

@@ -13,7 +13,8 @@ from actors.model_runner.loading import load_model
 from models.info import read_model_info
 from actors.model_runner.rows import StepError
 from actors.model_runner.runner import ModelRunner
-from actors.model_runner import storage
+from actors.model_runner import kv_pages
+from actors.model_runner.kv_pages import PAGE
 from actors.model_runner.storage import HEAD_INPUT
 from actors.model_runner.windows import window_of
 from actors.scheduler.core import Scheduler
@@ -131,49 +132,65 @@ def test_a_decode_row_that_was_never_prefilled_is_refused(setup):
         runner.step(batch)
 
 
-def test_a_new_runner_has_the_first_segment_of_its_kv_pool_in_memory(setup):
-    """Faulted in at startup, shaped like the model's K and V: the first request to end saves
-    its KV into memory that is already there."""
+def test_a_new_runner_has_the_first_pages_of_its_kv_pool_in_memory(setup):
+    """Faulted in at startup, shaped like the model's K and V, never past the budget's pages
+    (and the scratch page): the first request writes into memory that is already there."""
     path, _, _ = setup
     model = load_model(path)
-    runner = ModelRunner(model, 2, kv_slots=100)
-    pool = runner.pools.kv
     cache = make_prompt_cache(model)
     model(mx.array([[1, 2]]), cache=cache)
-    assert sorted(pool.keys) == sorted(pool.values) == runner.layers.full
-    for layer in runner.layers.full:
-        want = cache[layer].keys
-        for store in (pool.keys, pool.values):
-            [segment] = store[layer]
-            assert segment.shape == (storage.SEGMENT, want.shape[1], want.shape[3])
-            assert segment.dtype == want.dtype
-    assert ModelRunner(model, 2).pools.kv is None  # no pool, nothing to open
+    for budget, pages in ((100, 100 // PAGE + 1), (1 << 16, kv_pages.FIRST_PAGES)):
+        pool = ModelRunner(model, 2, kv_slots=budget).pools.kv
+        assert sorted(pool.keys) == sorted(pool.values) == pool.layers
+        assert pool.pages == pages and pool.budget_pages() == budget // PAGE
+        for layer in pool.layers:
+            want = cache[layer].keys
+            for store in (pool.keys, pool.values):
+                assert store[layer].shape == (want.shape[1], pages, PAGE, want.shape[3])
+                assert store[layer].dtype == want.dtype
+    assert ModelRunner(model, 2).pools.kv.limit is None  # no budget: it grows as pages come
 
 
-def ops_batch(step: int, *ops: m.Op, admit: dict[int, int] | None = None) -> m.ForwardBatch:
-    """A batch of ops only; admit: row -> its live state slot."""
+def ops_batch(step: int, *ops: m.Op, admit: dict[int, int] | None = None, prompt=None,
+              start: int = 0) -> m.ForwardBatch:
+    """A batch of ops (and one prompt chunk of row 1 at `start`, where given); admit: row ->
+    its live state slot."""
     admit = admit or {}
-    return m.ForwardBatch(step=step, rows=[], input_lens=[], start_pos=[], future=[], sample=[],
-                          input_ids=b"", ops=list(ops), admit_rows=list(admit),
+    ids = list(prompt or [])
+    return m.ForwardBatch(step=step, rows=[1] if ids else [], input_lens=[len(ids)] if ids else [],
+                          start_pos=[start] if ids else [], future=[False] if ids else [],
+                          sample=[True] if ids else [], input_ids=pack_ids(ids),
+                          ops=list(ops), admit_rows=list(admit),
                           admit_params=[m.SamplingParams(max_new_tokens=1)] * len(admit),
                           admit_states=list(admit.values()))
+
+
+def pages_op(row: int, start: int, pages: list[int]) -> m.Op:
+    return m.Op(kind=m.OpKind.PAGES, dst=row, start=start, slots=pack_ids(pages))
 
 
 def test_ops_the_runner_cannot_carry_out_are_refused(setup):
     path, _, info = setup
     model = load_model(path)
-    bare = ModelRunner(model, 2)  # no KV slots, no state slots: no pools
+    bare = ModelRunner(model, 2)  # no state slots: no state pool
     with pytest.raises(StepError, match="a state op, but this runner has no state pool"):
         bare.step(ops_batch(1, m.Op(kind=m.OpKind.CLEAR, dst=1)))
-    save = m.Op(kind=m.OpKind.KV_SAVE, dst=1, slots=pack_ids([0, 1]))
-    with pytest.raises(StepError, match="a KV op, but this runner has no KV pool"):
-        bare.step(ops_batch(1, save))
-    with pytest.raises(StepError, match="KV save for row 1, which holds no KV"):
-        ModelRunner(model, 2, kv_slots=64, state_slots=4).step(ops_batch(1, save))
+    budget = ModelRunner(model, 2, kv_slots=64, state_slots=4)
+    with pytest.raises(StepError, match="page 0 is the scratch page"):
+        budget.step(ops_batch(1, pages_op(1, 0, [0, 1])))
+    with pytest.raises(StepError, match=r"KV page 5 is past the pool's 5 pages"):
+        budget.step(ops_batch(1, pages_op(1, 0, [1, 5])))
+    with pytest.raises(StepError, match="pages from index 3 of a table of 1"):
+        budget.step(ops_batch(1, pages_op(1, 0, [1]), pages_op(1, 3, [2])))
+    with pytest.raises(StepError, match="a KV copy of 3 slot ids"):
+        budget.step(ops_batch(1, m.Op(kind=m.OpKind.KV_COPY, slots=pack_ids([16, 17, 32]))))
+    with pytest.raises(StepError, match="prompt starts at 40 with 2 pages"):
+        budget.step(ops_batch(1, pages_op(1, 0, [1, 2]), admit={1: 0}, prompt=[5], start=40))
     if info.state_layers:  # a prefix of its recurrent or sliding layers needs a state slot
-        with pytest.raises(StepError, match=r"KV save, but layers \[[0-9, ]+\] resume from a "
-                           "state slot and this runner has no state pool"):
-            ModelRunner(model, 2, kv_slots=64).step(ops_batch(1, save))
+        with pytest.raises(StepError, match=r"row 1 starts at 16, but layers \[[0-9, ]+\] "
+                           "resume from a state slot and it has none"):
+            ModelRunner(model, 2, kv_slots=64).step(
+                ops_batch(1, pages_op(1, 0, [1, 2]), admit={1: -1}, prompt=[5], start=16))
 
 
 def test_a_row_donates_only_the_state_slot_it_owns(setup):
@@ -225,9 +242,11 @@ def test_eviction_under_a_small_budget_keeps_tokens_identical(setup):
     prompts = [enc(f"Story number {k}: once upon a time " * 4) for k in range(6)]
     arrivals = {3 * k: [(f"s{k}", p, 6)] for k, p in enumerate(prompts)}
     arrivals[30] = [("again", prompts[-1], 6)]
-    need = max(len(p) for p in prompts) + 6
+    # Pages for two requests and one more: a hit locks the pages of its whole match (the
+    # first one mixes two requests' slots, where their prompts part, so it is copied).
+    pages = -(-(max(len(p) for p in prompts) + 6) // PAGE)
     got, sched = run(path, info, arrivals, max_rows=2, depth=2, prefix=True,
-                     kv_slots=2 * need + 8)
+                     kv_slots=(2 * pages + 1) * PAGE)
     check_all(oracle, arrivals, got)
     assert sched.memory.evicted_tokens > 0, "the budget was meant to force eviction"
     assert sched.finished["again"].cached_tokens > 0
@@ -274,9 +293,10 @@ def test_one_token_prompts_alone_and_beside_decodes_match_mlx_lm(setup, depth):
 
 
 def _step(runner, step, rows=(), prompts=None, ops=(), admit=None, start=None):
-    """One hand-built step: `prompts` row -> ids (whole prompts, sampled), the other rows
-    decode their futures; admit: row -> its live state slot."""
+    """One hand-built step: `prompts` row -> ids (whole prompts, sampled, each in 8 pages of
+    its row's own), the other rows decode their futures; admit: row -> its live state slot."""
     prompts, admit = prompts or {}, admit or {}
+    ops = [pages_op(r, 0, list(range(8 * r + 1, 8 * r + 9))) for r in prompts] + list(ops)
     rows = [*prompts, *rows]
     ids = [t for p in prompts.values() for t in p]
     batch = m.ForwardBatch(
@@ -382,7 +402,8 @@ def test_on_the_cpu_a_step_is_sent_before_the_next_one_is_queued(setup):
     p = oracle.tokenizer.encode(PROMPTS[0])
     batches = [m.ForwardBatch(step=1, rows=[1], input_lens=[len(p)], start_pos=[0],
                               future=[False], sample=[True], input_ids=pack_ids(p),
-                              admit_rows=[1], admit_params=[m.SamplingParams(max_new_tokens=5)])]
+                              admit_rows=[1], admit_params=[m.SamplingParams(max_new_tokens=5)],
+                              ops=[pages_op(1, 0, list(range(1, 2 + (len(p) + 5) // PAGE)))])]
     batches += [m.ForwardBatch(step=step, rows=[1], input_lens=[1], start_pos=[len(p) + step - 2],
                                future=[True], sample=[True], input_ids=b"")
                 for step in (2, 3, 4)]

@@ -1,6 +1,8 @@
 """Prompts the served-parity tests share: scripts, emoji and a long one that is prefilled in
 chunks."""
 
+from protocol.messages import KV_PAGE
+
 LONG = " ".join(f"Line {i}: the quick brown fox jumps over the lazy dog." for i in range(100))
 PROMPTS = [
     "Hello world",
@@ -12,3 +14,13 @@ PROMPTS = [
     LONG,
     "Q: What is 2 + 2?\nA:",
 ]
+
+
+def tight_budget(ids: list[list[int]], max_new: int) -> int:
+    """memory.kv_tokens for the two-wave runs (half the prompts and a stream of the first,
+    then the rest once something decodes): the first wave's pages and two more fit, its
+    growth does not (retraction), and any one request alone always fits."""
+    pages = [-(-len(p) // KV_PAGE) for p in ids]
+    first_wave = sum(pages[:len(ids) // 2]) + pages[0]
+    alone = -(-(max(map(len, ids)) + max_new) // KV_PAGE)
+    return KV_PAGE * max(first_wave + 2, alone)

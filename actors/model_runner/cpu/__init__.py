@@ -90,8 +90,12 @@ def install(model: nn.Module, runtime: RuntimeConfig, vocab_size: int) -> Instal
 
     import mlx.core as mx
 
+    from models.sizing import BUFFER_CACHE_MIB
+
     plan = weights.install(model, runtime)
     cache_mib = runtime.buffer_cache_mib if mx.default_device() == mx.cpu else 0
+    if cache_mib == "auto":  # the actor sizes it for the model (models/sizing.py); else
+        cache_mib = BUFFER_CACHE_MIB[1]
     if cache_mib:
         mx.set_cache_limit(cache_mib << 20)
     compiled = weights.compiled_kernels(runtime)

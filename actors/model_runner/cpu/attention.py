@@ -26,7 +26,8 @@ import mlx.nn as nn
 from mlx_lm.models import base
 
 from actors.model_runner.cpu import fastmath
-from actors.model_runner.decode_batch import BatchedKV, pool_in_place, pool_writer
+from actors.model_runner.decode_batch import BatchedKV
+from actors.model_runner.kv_pages import pool_in_place, pool_writer
 from actors.model_runner.thread_flag import ThreadFlag
 
 MAX_GROUP = 64  # query heads per KV head the kernel takes
@@ -41,10 +42,9 @@ _kernel: ThreadFlag[Any] = ThreadFlag(None)  # the mas_kernels module, inside ac
 @contextmanager
 def active(kernels: Any, in_place: bool = False) -> Iterator[None]:
     """Send the decode batch's attention and its pool writes on this thread to `kernels`
-    (None: MLX's path). in_place: the writes go into the pools even where the last step,
-    still queued, holds them (runner.early_queue): every read of their old contents is queued
-    before them on the one stream. Only for a plain decode step: in any other, a read of the
-    pool queued in the same step (an op saving a row's KV) may run after the write."""
+    (None: MLX's path). in_place: the writes go into the pool even where a queued read (the
+    last step's, or this step's of another row) holds it: no read looks at the slots a write
+    changes (kv_pages.py)."""
     write = None if kernels is None else kernels.kv_write
     with _kernel.holding(kernels), pool_writer.holding(write), pool_in_place.holding(in_place):
         yield
