@@ -54,6 +54,7 @@ class Started:
     client: str  # tcp:// address of the ZMQ client socket
     http: str | None  # http:// base URL of the OpenAI API (None when it is off)
     log_reader: threading.Thread | None = None  # feeds on_log until the launcher's stderr ends
+    line: str = ""  # the ready line itself
 
 
 def start_graph(*overrides: str, on_log: Callable[[str], None] | None = None,
@@ -86,7 +87,7 @@ def start_graph(*overrides: str, on_log: Callable[[str], None] | None = None,
         proc.kill()
         raise RuntimeError(f"the graph did not start (exit code {proc.wait()}, ready timeout "
                            f"{ready_timeout} s): {overrides}")
-    return Started(proc, *found.groups(), log_reader=log_reader)
+    return Started(proc, *found.groups(), log_reader=log_reader, line=found.string.strip())
 
 
 def _feed(stream, on_line: Callable[[str], None]) -> None:

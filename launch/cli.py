@@ -179,11 +179,24 @@ def main(argv: list[str] | None = None) -> int:
         # Where the model came from, last: the client address stays where scripts read it.
         source = f" from {model.path}" + (f" revision {model.revision}" if model.revision else "")
         print(f"mlx-actor-serve ready: model {model.name} client {client}{http}{logs}{source}"
-              f"; max_running_requests {sizing.value} ({sizing.why})", flush=True)
+              f"; max_running_requests {sizing.value} ({sizing.why}); {kv_pool(cfg, model)}",
+              flush=True)
 
     from launch.supervisor import Supervisor
 
     return asyncio.run(Supervisor(cfg, addrs, model, on_ready, actors).run())
+
+
+def kv_pool(cfg: Config, model: ModelInfo) -> str:
+    """The KV pool as the ready line gives it: pages, their bytes, the runner's workspace
+    (models/sizing.py; per runner rank under tensor parallelism)."""
+    from models.sizing import kv_bytes_per_token, kv_capacity, workspace_bytes
+    from protocol.messages import KV_PAGE
+
+    pages = kv_capacity(cfg, model) // KV_PAGE
+    mib = pages * KV_PAGE * kv_bytes_per_token(cfg, model) / 2**20
+    return (f"kv pool {pages} pages of {KV_PAGE} tokens ({mib:.0f} MiB), workspace "
+            f"{workspace_bytes(cfg, model) >> 20} MiB")
 
 
 if __name__ == "__main__":

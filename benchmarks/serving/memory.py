@@ -44,7 +44,7 @@ from benchmarks.serving.servers import ours
 
 MIB = 2**20
 READY_FIELDS = ("max_running_requests", "kv_pages", "kv_page_tokens", "kv_pool_pages",
-                "kv_pool_mib", "kv_slots")
+                "kv_pool_mib", "kv_slots", "workspace_mib")
 STATS_FIELDS = ("mlx_active_mib", "mlx_cache_mib", "kv_pool_pages", "kv_pool_mib")
 LIMIT = 1.1  # (MLX active - weights) / budget the issue allows
 
@@ -196,6 +196,9 @@ def checks(report: dict[str, Any]) -> dict[str, Any]:
             "rss_growth_over_budget": round(growth / budget, 3),
             # what RSS can grow by if MLX's buffer cache is all that holds more than the pool
             "budget_and_cache_mib": round(budget + (log["mlx_cache_max_mib"] or 0), 1),
+            # the bound the runner documents: the pool's budget and its workspace
+            "budget_and_workspace_mib": round(budget + (report["runner_ready"].get(
+                "workspace_mib") or 0), 1),
             "served_all": all(r["ok"] == r["requests"] for r in report["waves"])}
 
 
@@ -222,7 +225,9 @@ def render(report: dict[str, Any]) -> str:
         lines += ["", f"shared-prefix wave: first request TTFT {w['first_ttft_s']} s; "
                   f"{w['hits']} hits, TTFT mean {w['hit_ttft_mean_s']} s; misses "
                   f"{w['miss_ttft_mean_s']} s; cached tokens mean {w['cached_tokens_mean']}"]
-    ok = lambda v: "n/a" if v is None else ("ok" if v <= LIMIT else "OVER")  # noqa: E731
+    def ok(v: float | None, limit: float = LIMIT) -> str:
+        return "n/a" if v is None else ("ok" if v <= limit else "OVER")
+
     lines += ["", "last runner.utilisation: " + ", ".join(f"{k} {last.get(k)}"
                                                        for k in STATS_FIELDS)
               + f"; over the run: mlx_active max {log['mlx_active_max_mib']}, mlx_cache max "
@@ -235,7 +240,9 @@ def render(report: dict[str, Any]) -> str:
               f"beyond weights and pool (last): {c['active_beyond_weights_and_pool_mib']} MiB",
               f"RSS growth (peak - after ready): {c['rss_growth_mib']} MiB = "
               f"{c['rss_growth_over_budget']} x budget; budget + MLX cache max: "
-              f"{c['budget_and_cache_mib']} MiB",
+              f"{c['budget_and_cache_mib']} MiB; budget + workspace bound (runner.ready "
+              f"workspace_mib): {c['budget_and_workspace_mib']} MiB "
+              f"({ok(c['rss_growth_mib'] / c['budget_and_workspace_mib'], 1.0)})",
               f"every request served: {c['served_all']}; warnings and errors logged: "
               f"{log['warnings'] or 'none'}"]
     return "\n".join(lines)

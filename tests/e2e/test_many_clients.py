@@ -93,6 +93,11 @@ def test_the_ready_line_runner_log_and_metrics_say_how_many_run_and_why(graph):
     # The dense built-in decodes compiled wherever the kernels are built (compiled_decode.py).
     assert ready["compiled_decode"] == (importlib.util.find_spec("mas_kernels") is not None)
     assert re.search(r"KV pool holds \d+ requests of 2048 tokens", sized["why"])
+    # The ready line gives the KV pool, as runner.ready does.
+    pool = re.search(r"; kv pool (\d+) pages of 16 tokens \((\d+) MiB\), workspace (\d+) MiB$",
+                     graph.started.line)
+    assert pool, graph.started.line
+    assert int(pool[1]) == ready["kv_pages"] > 0 and int(pool[3]) == ready["workspace_mib"]
     rates = sized["decode_tok_s_by_rows"]
     assert rates and all(r > 0 for r in rates.values())
     text = urllib.request.urlopen(f"{graph.http}/metrics", timeout=10).read().decode()
