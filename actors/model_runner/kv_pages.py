@@ -132,12 +132,15 @@ class KvPages:
         self.ensure(max(max(src), max(dst)) // PAGE)
         pages, at = np.asarray(src) // PAGE, np.asarray(src) % PAGE
         read_p, read_at = mx.array(pages.astype(np.int32)), mx.array(at.astype(np.int32))
+        into: dict[int, mx.array] = {}  # kv_heads -> the write index, made once
         for layer in self.layers:
             k, v = self.keys[layer], self.values[layer]
+            if k.shape[0] not in into:
+                into[k.shape[0]] = self.index(np.asarray(dst), k.shape[0])
             # [kv_heads, n, dim] -> [n, kv_heads, 1, dim], as the writes take them
             got_k = k[:, read_p, read_at].transpose(1, 0, 2)[:, :, None]
             got_v = v[:, read_p, read_at].transpose(1, 0, 2)[:, :, None]
-            self.write(layer, self.index(np.asarray(dst), k.shape[0]), got_k, got_v)
+            self.write(layer, into[k.shape[0]], got_k, got_v)
 
 
 def gather(pool: mx.array, table: mx.array) -> mx.array:
@@ -153,28 +156,50 @@ def slots_of(pages: list[int], start: int, end: int) -> np.ndarray:
     return np.asarray(pages, dtype=np.int64)[pos // PAGE] * PAGE + pos % PAGE
 
 
+class ChunkPlan:
+    """Where a prompt's chunk goes in the pool: its write index and the row's page table up to
+    its end, made once for every layer of the model (each layer's chunk covers the same
+    positions), not once per layer."""
+
+    def __init__(self, store: KvPages, pages: list[int]):
+        self.store, self.pages = store, pages
+        self._key: tuple[int, ...] | None = None
+        self._made: tuple[mx.array, mx.array] = None  # type: ignore[assignment]
+
+    def at(self, start: int, end: int, kv_heads: int) -> tuple[mx.array, mx.array]:
+        """(the write index of positions [start, end), the table of their pages [1, n])."""
+        key = (start, end, kv_heads, self.store.pages)
+        if key != self._key:
+            used = -(-end // PAGE)
+            if used > len(self.pages):
+                raise PoolFull(f"a prompt chunk up to position {end} of a row with "
+                               f"{len(self.pages)} pages")
+            self._made = (self.store.index(slots_of(self.pages, start, end), kv_heads),
+                          mx.array([self.pages[:used]], dtype=mx.int32))
+            self._key = key
+        return self._made
+
+
 class PromptKV(KVCache):
     """One full-attention layer of a prompt being prefilled, as the model's attention sees an
     mlx-lm KVCache: each chunk's K and V go straight into the row's pages, and the chunk
     attends over the row's pages gathered (its cached prefix, shared with the tree, among
-    them). `pages` is the row's page table itself (rows.py), which PAGES ops extend."""
+    them). `pages` is the row's page table itself (rows.py), which PAGES ops extend; `plan`
+    the chunk plan the prompt's layers share (one of their own where none is given)."""
 
-    def __init__(self, store: KvPages, layer: int, pages: list[int], offset: int = 0):
+    def __init__(self, store: KvPages, layer: int, pages: list[int], offset: int = 0,
+                 plan: ChunkPlan | None = None):
         super().__init__()
         self.store, self.layer, self.pages, self.offset = store, layer, pages, offset
+        self.plan = plan or ChunkPlan(store, pages)
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         """keys/values [1, kv_heads, n, dim]: into positions [offset, offset + n)."""
         start, end = self.offset, self.offset + keys.shape[2]
-        used = -(-end // PAGE)
-        if used > len(self.pages):
-            raise PoolFull(f"a prompt chunk up to position {end} of a row with "
-                           f"{len(self.pages)} pages")
-        index = self.store.index(slots_of(self.pages, start, end), keys.shape[1])
+        index, table = self.plan.at(start, end, keys.shape[1])
         self.store.write(self.layer, index, keys[0].transpose(1, 0, 2)[:, :, None],
                          values[0].transpose(1, 0, 2)[:, :, None])
         self.offset = end
-        table = mx.array([self.pages[:used]], dtype=mx.int32)
         # Not kept (keys stays None): held, the gathered copies would be the very second
         # copy of a prompt's KV that the pool exists to do without.
         return (gather(self.store.keys[self.layer], table)[..., :end, :],

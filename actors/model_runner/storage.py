@@ -15,7 +15,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from actors.model_runner.kv_pages import PAGE, KvPages, PromptKV
+from actors.model_runner.kv_pages import PAGE, ChunkPlan, KvPages, PromptKV
 from actors.model_runner.layers import Layers
 from actors.model_runner.rows import Rows, StepError
 from actors.model_runner.windows import restore_window
@@ -130,8 +130,9 @@ class Pools:
         step's ops). Returns what the state kept at HEAD_INPUT, if any."""
         if len(pages) * PAGE < start:
             raise StepError(f"row {row}: prompt starts at {start} with {len(pages)} pages")
+        plan = ChunkPlan(self.kv, pages)
         for layer in self.layers.full:
-            cache[layer] = PromptKV(self.kv, layer, pages, start)
+            cache[layer] = PromptKV(self.kv, layer, pages, start, plan)
         if start and self.layers.unpooled:
             kinds = sorted({self.layers.kinds[i] for i in self.layers.unpooled})
             raise StepError(f"row {row} starts at {start}, but layers {self.layers.unpooled} "
